@@ -1,0 +1,2 @@
+//! Backends: the only code that knows the device.
+pub mod cpu;

@@ -1,0 +1,110 @@
+//! The typed operations of a tick and the immutable records they commit.
+
+use crate::ids::{RequestId, ResidentRef, SequenceIdentity, StepId};
+use crate::request::{FinishReason, GenerationRequest, TokenLogprob};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum SequenceWork {
+    /// Prompt tokens computed into the KV cache (prefill).
+    Context,
+    /// One generated token per sequence.
+    Decode,
+}
+
+/// One participant of a step as it was scheduled.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct ScheduledSequenceDescriptor {
+    pub identity: SequenceIdentity,
+    pub work: SequenceWork,
+    /// Tokens computed for this sequence in this step.
+    pub query_length: usize,
+    /// Tokens already in the KV cache before this step (cache hits included).
+    pub past_length: usize,
+    pub select_last_token_logits: bool,
+}
+
+/// Tokens past a surviving resident's watermark, committed by one step.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct TokenDelta {
+    pub token_ids: Vec<u32>,
+}
+
+/// The snapshot of a sequence that reached a terminal state; everything `materialize` needs.
+#[derive(Debug, Clone, PartialEq)]
+pub struct BatchResult {
+    pub identity: SequenceIdentity,
+    pub prompt_ids: Vec<u32>,
+    pub output_ids: Vec<u32>,
+    pub finish_reason: FinishReason,
+    pub stop_reason: Option<String>,
+    pub logprobs: Option<Vec<TokenLogprob>>,
+    pub cached_prompt_tokens: usize,
+    pub error: Option<String>,
+}
+
+/// How a step was executed; informational.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub struct StepExecution {
+    pub rows: usize,
+    pub tokens: usize,
+    pub elapsed_us: u64,
+    pub cuda_graph: bool,
+}
+
+/// The single commit unit: everything in it happened together, nothing outside it happened.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StepResult {
+    pub ok: bool,
+    pub work: SequenceWork,
+    pub step_id: StepId,
+    pub participants: Vec<ScheduledSequenceDescriptor>,
+    pub execution: StepExecution,
+    pub deltas: Vec<(ResidentRef, TokenDelta)>,
+    pub finished: Vec<(ResidentRef, BatchResult)>,
+    pub published_prefix: bool,
+}
+
+/// A validated, tokenized request ready for reservation. Building it touches no resident state.
+#[derive(Debug, Clone, PartialEq)]
+pub struct AdmissionIntent {
+    pub request_id: RequestId,
+    pub original_index: u32,
+    pub request: GenerationRequest,
+    pub prompt_ids: Vec<u32>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum AdmissionStatus {
+    Admitted,
+    NoCapacity,
+    Rejected,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct AdmissionResult {
+    pub status: AdmissionStatus,
+    pub resident: Option<ResidentRef>,
+    pub reason: Option<String>,
+}
+
+impl AdmissionResult {
+    pub fn admitted(r: ResidentRef) -> Self {
+        Self { status: AdmissionStatus::Admitted, resident: Some(r), reason: None }
+    }
+    pub fn no_capacity(why: impl Into<String>) -> Self {
+        Self { status: AdmissionStatus::NoCapacity, resident: None, reason: Some(why.into()) }
+    }
+    pub fn rejected(why: impl Into<String>) -> Self {
+        Self { status: AdmissionStatus::Rejected, resident: None, reason: Some(why.into()) }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct ImmutablePrefillBatch {
+    pub target: ResidentRef,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct ImmutableDecodeBatch {
+    pub residents: Vec<ResidentRef>,
+}
