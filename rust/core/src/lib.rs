@@ -2,12 +2,19 @@
 //! binding crate only converts.
 
 pub mod backend;
+pub mod coordinator;
+pub mod engine;
 pub mod error;
 pub mod ids;
+pub mod intent;
 pub mod model;
 pub mod request;
 pub mod sampling;
+pub mod session;
+pub mod state;
 pub mod step;
+pub mod stepped;
+pub mod stepper;
 pub mod text;
 
 pub use error::{Error, Result};

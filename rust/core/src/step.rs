@@ -27,6 +27,8 @@ pub struct ScheduledSequenceDescriptor {
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct TokenDelta {
     pub token_ids: Vec<u32>,
+    /// Text these tokens completed, safe to show: held-back stop-string prefixes are not in it yet.
+    pub text: String,
 }
 
 /// The snapshot of a sequence that reached a terminal state; everything `materialize` needs.
@@ -35,6 +37,8 @@ pub struct BatchResult {
     pub identity: SequenceIdentity,
     pub prompt_ids: Vec<u32>,
     pub output_ids: Vec<u32>,
+    /// Detokenized output, cut before a stop string that ended it.
+    pub text: String,
     pub finish_reason: FinishReason,
     pub stop_reason: Option<String>,
     pub logprobs: Option<Vec<TokenLogprob>>,

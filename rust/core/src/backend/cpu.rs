@@ -1,0 +1,295 @@
+//! The CPU backend: exact f32 compute, multithreaded (gemm for matmuls, rayon for the rest). It is the
+//! reference every GPU kernel is checked against, so it favours plain, exact arithmetic.
+
+use super::batch::BatchPlan;
+use super::cpu_attention::{self, CpuKvCache};
+use super::cpu_kernels::{for_each_row, matmul_transposed, rms_norm_row, silu};
+use super::{AttentionShape, Backend, KvCacheShape};
+use crate::error::{Error, Result};
+use crate::model::loader::HostTensor;
+use rayon::prelude::*;
+
+/// How the CPU backend keeps weight matrices in memory. Only exact f32 today; a compact format (bf16,
+/// int8) is a new variant here plus a matmul for it in [`CpuMatrix`], with no change to the model code.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum CpuWeightFormat {
+    #[default]
+    F32,
+}
+
+#[derive(Debug, Clone, Default)]
+pub struct CpuBackend {
+    weight_format: CpuWeightFormat,
+}
+
+impl CpuBackend {
+    pub fn new(weight_format: CpuWeightFormat) -> Self {
+        Self { weight_format }
+    }
+}
+
+/// A row-major activation `[rows, cols]`. Reshaping keeps the allocation, so buffers reused across steps
+/// stop allocating once they have seen the largest batch.
+#[derive(Debug, Clone, Default)]
+pub struct CpuTensor {
+    rows: usize,
+    cols: usize,
+    data: Vec<f32>,
+}
+
+impl CpuTensor {
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    pub fn cols(&self) -> usize {
+        self.cols
+    }
+
+    pub fn as_slice(&self) -> &[f32] {
+        &self.data
+    }
+
+    pub(super) fn as_mut_slice(&mut self) -> &mut [f32] {
+        &mut self.data
+    }
+
+    pub fn row(&self, r: usize) -> &[f32] {
+        &self.data[r * self.cols..(r + 1) * self.cols]
+    }
+
+    pub(super) fn reshape(&mut self, rows: usize, cols: usize) {
+        self.rows = rows;
+        self.cols = cols;
+        self.data.resize(rows * cols, 0.0);
+    }
+}
+
+/// A weight matrix `[rows = out_features, cols = in_features]`.
+#[derive(Debug, Clone)]
+pub struct CpuMatrix {
+    rows: usize,
+    cols: usize,
+    storage: MatrixStorage,
+}
+
+#[derive(Debug, Clone)]
+enum MatrixStorage {
+    F32(Vec<f32>),
+}
+
+impl CpuMatrix {
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    pub fn cols(&self) -> usize {
+        self.cols
+    }
+
+    fn copy_row(&self, r: usize, out: &mut [f32]) {
+        match &self.storage {
+            MatrixStorage::F32(data) => out.copy_from_slice(&data[r * self.cols..(r + 1) * self.cols]),
+        }
+    }
+
+    /// `out[m, rows] = x[m, cols] · selfᵀ`.
+    fn multiply_transposed(&self, x: &[f32], m: usize, out: &mut [f32]) {
+        match &self.storage {
+            MatrixStorage::F32(data) => matmul_transposed(x, data, out, m, self.cols, self.rows),
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct CpuVector(Vec<f32>);
+
+impl Backend for CpuBackend {
+    type Tensor = CpuTensor;
+    type Matrix = CpuMatrix;
+    type Vector = CpuVector;
+    type KvCache = CpuKvCache;
+    type Batch = BatchPlan;
+
+    fn description(&self) -> String {
+        match self.weight_format {
+            CpuWeightFormat::F32 => format!("cpu (f32, {} threads)", rayon::current_num_threads()),
+        }
+    }
+
+    fn upload_matrix(&self, host: HostTensor) -> Result<CpuMatrix> {
+        let [rows, cols] = host.shape[..] else {
+            return internal(format!("upload_matrix wants a 2-D tensor, got shape {:?}", host.shape));
+        };
+        check_host_len(&host)?;
+        let storage = match self.weight_format {
+            CpuWeightFormat::F32 => MatrixStorage::F32(host.data),
+        };
+        Ok(CpuMatrix { rows, cols, storage })
+    }
+
+    fn upload_vector(&self, host: HostTensor) -> Result<CpuVector> {
+        if host.shape.len() != 1 {
+            return internal(format!("upload_vector wants a 1-D tensor, got shape {:?}", host.shape));
+        }
+        check_host_len(&host)?;
+        Ok(CpuVector(host.data))
+    }
+
+    fn new_tensor(&self) -> CpuTensor {
+        CpuTensor::default()
+    }
+
+    fn allocate_kv_cache(&self, shape: KvCacheShape) -> Result<CpuKvCache> {
+        CpuKvCache::new(shape)
+    }
+
+    fn new_batch(&self) -> BatchPlan {
+        BatchPlan::default()
+    }
+
+    fn upload_batch(&self, plan: &BatchPlan, batch: &mut BatchPlan) -> Result<()> {
+        batch.clone_from(plan);
+        Ok(())
+    }
+
+    fn embed(&self, table: &CpuMatrix, batch: &BatchPlan, out: &mut CpuTensor) -> Result<()> {
+        out.reshape(batch.num_tokens(), table.cols);
+        if let Some(&t) = batch.tokens.iter().find(|&&t| t as usize >= table.rows) {
+            return internal(format!("embed: token {t} outside a {}-row table", table.rows));
+        }
+        for_each_row(&mut out.data, table.cols, |r, row| table.copy_row(batch.tokens[r] as usize, row));
+        Ok(())
+    }
+
+    fn rms_norm(&self, x: &CpuTensor, weight: &CpuVector, eps: f32, out: &mut CpuTensor) -> Result<()> {
+        check_width("rms_norm", x.cols, weight.0.len())?;
+        out.reshape(x.rows, x.cols);
+        for_each_row(&mut out.data, x.cols, |r, row| rms_norm_row(x.row(r), &weight.0, eps, row));
+        Ok(())
+    }
+
+    fn add_rms_norm(
+        &self,
+        residual: &mut CpuTensor,
+        delta: &CpuTensor,
+        weight: &CpuVector,
+        eps: f32,
+        out: &mut CpuTensor,
+    ) -> Result<()> {
+        check_same_shape("add_rms_norm", residual, delta)?;
+        check_width("add_rms_norm", residual.cols, weight.0.len())?;
+        let cols = residual.cols;
+        out.reshape(residual.rows, cols);
+        let add_then_norm = |((res, d), o): ((&mut [f32], &[f32]), &mut [f32])| {
+            for (ri, di) in res.iter_mut().zip(d) {
+                *ri += di;
+            }
+            rms_norm_row(res, &weight.0, eps, o);
+        };
+        if residual.data.len() >= 1 << 15 {
+            let rows = residual.data.par_chunks_mut(cols).zip(delta.data.par_chunks(cols));
+            rows.zip(out.data.par_chunks_mut(cols)).for_each(add_then_norm);
+        } else {
+            let rows = residual.data.chunks_mut(cols).zip(delta.data.chunks(cols));
+            rows.zip(out.data.chunks_mut(cols)).for_each(add_then_norm);
+        }
+        Ok(())
+    }
+
+    fn linear(&self, x: &CpuTensor, weight: &CpuMatrix, bias: Option<&CpuVector>, out: &mut CpuTensor) -> Result<()> {
+        check_width("linear", x.cols, weight.cols)?;
+        out.reshape(x.rows, weight.rows);
+        weight.multiply_transposed(&x.data, x.rows, &mut out.data);
+        if let Some(bias) = bias {
+            check_width("linear bias", weight.rows, bias.0.len())?;
+            for_each_row(&mut out.data, weight.rows, |_, row| {
+                for (o, b) in row.iter_mut().zip(&bias.0) {
+                    *o += b;
+                }
+            });
+        }
+        Ok(())
+    }
+
+    fn rope_and_write_kv(
+        &self,
+        qkv: &mut CpuTensor,
+        qk_norm: Option<(&CpuVector, &CpuVector)>,
+        shape: &AttentionShape,
+        batch: &BatchPlan,
+        cache: &mut CpuKvCache,
+        layer: usize,
+    ) -> Result<()> {
+        let norms = qk_norm.map(|(q, k)| (q.0.as_slice(), k.0.as_slice()));
+        cpu_attention::rope_and_write_kv(qkv, norms, shape, batch, cache, layer)
+    }
+
+    fn paged_attention(
+        &self,
+        qkv: &CpuTensor,
+        shape: &AttentionShape,
+        batch: &BatchPlan,
+        cache: &CpuKvCache,
+        layer: usize,
+        out: &mut CpuTensor,
+    ) -> Result<()> {
+        cpu_attention::paged_attention(qkv, shape, batch, cache, layer, out)
+    }
+
+    fn silu_mul(&self, gate_up: &CpuTensor, out: &mut CpuTensor) -> Result<()> {
+        if gate_up.cols % 2 != 0 {
+            return internal(format!("silu_mul wants [gate | up] rows, got odd width {}", gate_up.cols));
+        }
+        let half = gate_up.cols / 2;
+        out.reshape(gate_up.rows, half);
+        for_each_row(&mut out.data, half, |r, row| {
+            let (gate, up) = gate_up.row(r).split_at(half);
+            for ((o, g), u) in row.iter_mut().zip(gate).zip(up) {
+                *o = silu(*g) * u;
+            }
+        });
+        Ok(())
+    }
+
+    fn select_logits_rows(&self, x: &CpuTensor, batch: &BatchPlan, out: &mut CpuTensor) -> Result<()> {
+        out.reshape(batch.logits_rows.len(), x.cols);
+        if let Some(&r) = batch.logits_rows.iter().find(|&&r| r as usize >= x.rows) {
+            return internal(format!("select_logits_rows: row {r} of a {}-row tensor", x.rows));
+        }
+        for_each_row(&mut out.data, x.cols, |i, row| row.copy_from_slice(x.row(batch.logits_rows[i] as usize)));
+        Ok(())
+    }
+
+    fn copy_to_host(&self, x: &CpuTensor, out: &mut Vec<f32>) -> Result<()> {
+        out.clear();
+        out.extend_from_slice(&x.data);
+        Ok(())
+    }
+}
+
+fn check_host_len(host: &HostTensor) -> Result<()> {
+    let expected: usize = host.shape.iter().product();
+    if host.data.len() != expected {
+        return internal(format!("host tensor of shape {:?} carries {} values", host.shape, host.data.len()));
+    }
+    Ok(())
+}
+
+fn check_width(op: &str, got: usize, expected: usize) -> Result<()> {
+    if got != expected {
+        return internal(format!("{op}: input width {got} but weight width {expected}"));
+    }
+    Ok(())
+}
+
+fn check_same_shape(op: &str, a: &CpuTensor, b: &CpuTensor) -> Result<()> {
+    if (a.rows, a.cols) != (b.rows, b.cols) {
+        return internal(format!("{op}: shapes [{}, {}] and [{}, {}] differ", a.rows, a.cols, b.rows, b.cols));
+    }
+    Ok(())
+}
+
+pub(super) fn internal<T>(msg: String) -> Result<T> {
+    Err(Error::Internal(msg))
+}

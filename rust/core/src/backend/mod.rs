@@ -1,2 +1,155 @@
 //! Backends: the only code that knows the device.
+//!
+//! The model forward (`model::llama`) is written once as a sequence of coarse ops over [`Backend`]. Each op
+//! is a unit a GPU backend can implement as one kernel (or one cuBLAS call) on its stream, so a whole decode
+//! step can be captured in a CUDA graph: ops never return data to the host except [`Backend::copy_to_host`],
+//! and every op writes into a caller-owned output tensor whose storage grows but never shrinks, so a
+//! steady-state step allocates nothing.
+
+pub mod batch;
 pub mod cpu;
+mod cpu_attention;
+mod cpu_kernels;
+
+pub use batch::{BatchPlan, PlannedSeq};
+pub use cpu::CpuBackend;
+
+use crate::error::Result;
+use crate::model::loader::HostTensor;
+
+/// Geometry of one attention layer, shared by the RoPE/KV-write op and the attention op.
+///
+/// A fused QKV activation row is laid out `[q (num_heads * head_dim) | k (kv_dim) | v (kv_dim)]`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AttentionShape {
+    pub num_heads: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+    /// RoPE base; the rotation is the neox / Hugging Face `rotate_half` convention over the whole head.
+    pub rope_theta: f32,
+    /// eps of the per-head q/k RMSNorm (Qwen3); unused when no q/k norm weights are passed.
+    pub qk_norm_eps: f32,
+}
+
+impl AttentionShape {
+    pub fn q_dim(&self) -> usize {
+        self.num_heads * self.head_dim
+    }
+
+    pub fn kv_dim(&self) -> usize {
+        self.num_kv_heads * self.head_dim
+    }
+
+    /// Width of one fused QKV row.
+    pub fn qkv_width(&self) -> usize {
+        self.q_dim() + 2 * self.kv_dim()
+    }
+
+    /// Query heads sharing one KV head (grouped-query attention).
+    pub fn group_size(&self) -> usize {
+        self.num_heads / self.num_kv_heads
+    }
+
+    pub fn softmax_scale(&self) -> f32 {
+        1.0 / (self.head_dim as f32).sqrt()
+    }
+}
+
+/// Size of the paged KV cache. A slot is `block * block_size + offset`; every layer has
+/// `num_blocks * block_size` slots of `num_kv_heads * head_dim` values for K and the same for V.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KvCacheShape {
+    pub num_layers: usize,
+    pub num_blocks: usize,
+    pub block_size: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+}
+
+impl KvCacheShape {
+    pub fn num_slots(&self) -> usize {
+        self.num_blocks * self.block_size
+    }
+
+    pub fn kv_dim(&self) -> usize {
+        self.num_kv_heads * self.head_dim
+    }
+}
+
+/// A compute device. Activations are 2-D `[rows, cols]` tensors, one row per token unless said otherwise.
+///
+/// Ops take `&self` so a GPU backend can keep its stream, handles and workspaces behind interior state;
+/// output tensors are reshaped by the op itself (`rows` from the input or the batch), so the model code
+/// never sizes buffers. Errors are values: a failed launch or an unavailable device is `Error::Device`.
+pub trait Backend: Send + Sized + 'static {
+    /// Activation buffer on the device.
+    type Tensor: Send;
+    /// A weight matrix `[out_features, in_features]` (linear layers, the embedding table). Its storage
+    /// format (f32, bf16, int8...) is the backend's choice; it must still serve `embed` and `linear`.
+    type Matrix: Send + Sync;
+    /// A weight vector kept at full precision: norm weights and biases.
+    type Vector: Send + Sync;
+    /// Paged K/V storage for every layer, shaped by [`KvCacheShape`].
+    type KvCache: Send;
+    /// Batch metadata resident on the device (tokens, positions, slots, block tables, logits rows).
+    type Batch: Send;
+
+    /// Human-readable device and dtype, e.g. "cpu (f32)".
+    fn description(&self) -> String;
+
+    fn upload_matrix(&self, host: HostTensor) -> Result<Self::Matrix>;
+    fn upload_vector(&self, host: HostTensor) -> Result<Self::Vector>;
+    /// An empty activation tensor; ops size it.
+    fn new_tensor(&self) -> Self::Tensor;
+    fn allocate_kv_cache(&self, shape: KvCacheShape) -> Result<Self::KvCache>;
+    fn new_batch(&self) -> Self::Batch;
+    /// Copy a validated host plan to the device, reusing `batch`'s storage.
+    fn upload_batch(&self, plan: &BatchPlan, batch: &mut Self::Batch) -> Result<()>;
+
+    /// `out[t] = table[batch.tokens[t]]`.
+    fn embed(&self, table: &Self::Matrix, batch: &Self::Batch, out: &mut Self::Tensor) -> Result<()>;
+    /// `out = rms_norm(x) * weight`.
+    fn rms_norm(&self, x: &Self::Tensor, weight: &Self::Vector, eps: f32, out: &mut Self::Tensor) -> Result<()>;
+    /// `residual += delta; out = rms_norm(residual) * weight` (the pre-norm transformer's skip connection).
+    fn add_rms_norm(
+        &self,
+        residual: &mut Self::Tensor,
+        delta: &Self::Tensor,
+        weight: &Self::Vector,
+        eps: f32,
+        out: &mut Self::Tensor,
+    ) -> Result<()>;
+    /// `out = x · weightᵀ (+ bias)`.
+    fn linear(&self, x: &Self::Tensor, weight: &Self::Matrix, bias: Option<&Self::Vector>, out: &mut Self::Tensor)
+        -> Result<()>;
+    /// On fused QKV rows: optional per-head RMSNorm of q and k (`qk_norm` = (q weight, k weight), each
+    /// `[head_dim]`), then RoPE of q and k at each token's position, in place; then K and V of every token go
+    /// to its slot in `layer` of the paged cache.
+    fn rope_and_write_kv(
+        &self,
+        qkv: &mut Self::Tensor,
+        qk_norm: Option<(&Self::Vector, &Self::Vector)>,
+        shape: &AttentionShape,
+        batch: &Self::Batch,
+        cache: &mut Self::KvCache,
+        layer: usize,
+    ) -> Result<()>;
+    /// Causal attention over a ragged batch: each sequence's query tokens (q part of `qkv`) attend to its
+    /// cached past and to its own tokens up to themselves, read from `layer` of the paged cache through the
+    /// sequence's block table. `out` is `[tokens, num_heads * head_dim]`.
+    fn paged_attention(
+        &self,
+        qkv: &Self::Tensor,
+        shape: &AttentionShape,
+        batch: &Self::Batch,
+        cache: &Self::KvCache,
+        layer: usize,
+        out: &mut Self::Tensor,
+    ) -> Result<()>;
+    /// On rows `[gate | up]` (each half `intermediate` wide): `out = silu(gate) * up`.
+    fn silu_mul(&self, gate_up: &Self::Tensor, out: &mut Self::Tensor) -> Result<()>;
+    /// `out[i] = x[batch.logits_rows[i]]`: the rows whose logits the step wants.
+    fn select_logits_rows(&self, x: &Self::Tensor, batch: &Self::Batch, out: &mut Self::Tensor) -> Result<()>;
+    /// Row-major copy of the whole tensor into `out` (replacing its contents).
+    fn copy_to_host(&self, x: &Self::Tensor, out: &mut Vec<f32>) -> Result<()>;
+}

@@ -1,0 +1,308 @@
+//! The Llama-family decoder (Llama, Mistral, SmolLM2, Qwen2 with q/k/v bias, Qwen3 with per-head q/k norm),
+//! written once over [`Backend`]. One forward serves prefill, decode and mixed steps: it takes a ragged
+//! [`ForwardBatch`] and reads/writes the paged KV cache through each sequence's block table.
+
+use crate::backend::{AttentionShape, Backend, BatchPlan, CpuBackend, KvCacheShape};
+use crate::error::{load_err, protocol, Error, Result};
+use crate::model::loader::{HostTensor, WeightSource};
+use crate::model::{Device, ForwardBatch, ModelConfig, ModelRunner};
+
+/// Load a model from Hugging Face-named weights onto `device`.
+pub fn build_runner(config: &ModelConfig, weights: &dyn WeightSource, device: Device) -> Result<Box<dyn ModelRunner>> {
+    match device {
+        Device::Cpu => Ok(Box::new(LlamaModel::load(CpuBackend::default(), config, weights)?)),
+        Device::Cuda(ordinal) => Err(Error::Device(format!(
+            "CUDA backend not built yet (asked for cuda:{ordinal}); run on Device::Cpu"
+        ))),
+    }
+}
+
+pub struct LlamaModel<B: Backend> {
+    config: ModelConfig,
+    backend: B,
+    attention: AttentionShape,
+    embed_tokens: B::Matrix,
+    /// `None` when the output projection is tied to `embed_tokens`.
+    lm_head: Option<B::Matrix>,
+    layers: Vec<DecoderLayer<B>>,
+    final_norm: B::Vector,
+    parameter_count: usize,
+    kv_cache: Option<(B::KvCache, KvCacheShape)>,
+    batch: B::Batch,
+    scratch: Scratch<B>,
+}
+
+struct DecoderLayer<B: Backend> {
+    input_norm: B::Vector,
+    /// q, k and v projections stacked row-wise, so one matmul produces a fused `[q | k | v]` row.
+    qkv_proj: B::Matrix,
+    qkv_bias: Option<B::Vector>,
+    /// Qwen3's per-head RMSNorm weights for (q, k).
+    qk_norm: Option<(B::Vector, B::Vector)>,
+    o_proj: B::Matrix,
+    o_bias: Option<B::Vector>,
+    post_attention_norm: B::Vector,
+    /// gate and up projections stacked row-wise: one matmul, then `silu(gate) * up`.
+    gate_up_proj: B::Matrix,
+    down_proj: B::Matrix,
+}
+
+/// Activations reused across steps: after the largest batch has been seen, a step allocates nothing here.
+struct Scratch<B: Backend> {
+    residual: B::Tensor,
+    normed: B::Tensor,
+    qkv: B::Tensor,
+    attention: B::Tensor,
+    /// Output of the latest o_proj or down_proj, waiting to be added to the residual stream.
+    block_output: B::Tensor,
+    gate_up: B::Tensor,
+    activated: B::Tensor,
+    selected: B::Tensor,
+    logits: B::Tensor,
+}
+
+impl<B: Backend> Scratch<B> {
+    fn new(backend: &B) -> Self {
+        Self {
+            residual: backend.new_tensor(),
+            normed: backend.new_tensor(),
+            qkv: backend.new_tensor(),
+            attention: backend.new_tensor(),
+            block_output: backend.new_tensor(),
+            gate_up: backend.new_tensor(),
+            activated: backend.new_tensor(),
+            selected: backend.new_tensor(),
+            logits: backend.new_tensor(),
+        }
+    }
+}
+
+impl<B: Backend> LlamaModel<B> {
+    /// Read, shape-check and upload every weight.
+    pub fn load(backend: B, config: &ModelConfig, weights: &dyn WeightSource) -> Result<Self> {
+        config.validate()?;
+        let mut reader = WeightReader { source: weights, backend: &backend, parameters: 0 };
+        let (vocab, hidden) = (config.vocab_size, config.hidden_size);
+        let embed_tokens = reader.matrix("model.embed_tokens.weight", vocab, hidden)?;
+        // transformers ignores a stored lm_head when embeddings are tied; without one, tying is the only option.
+        let lm_head = if config.tie_word_embeddings || !weights.has("lm_head.weight") {
+            None
+        } else {
+            Some(reader.matrix("lm_head.weight", vocab, hidden)?)
+        };
+        let layers = (0..config.num_layers).map(|i| reader.decoder_layer(config, i)).collect::<Result<Vec<_>>>()?;
+        let final_norm = reader.vector("model.norm.weight", hidden)?;
+        let parameter_count = reader.parameters;
+        let attention = AttentionShape {
+            num_heads: config.num_heads,
+            num_kv_heads: config.num_kv_heads,
+            head_dim: config.head_dim,
+            rope_theta: config.rope_theta,
+            qk_norm_eps: config.rms_norm_eps,
+        };
+        Ok(Self {
+            config: config.clone(),
+            attention,
+            embed_tokens,
+            lm_head,
+            layers,
+            final_norm,
+            parameter_count,
+            kv_cache: None,
+            batch: backend.new_batch(),
+            scratch: Scratch::new(&backend),
+            backend,
+        })
+    }
+
+    /// Every decoder layer over the embedded batch, leaving the final normed hidden states in `scratch.normed`.
+    fn run_decoder(&mut self) -> Result<()> {
+        let Self { backend, layers, scratch: s, batch, attention, config, embed_tokens, final_norm, kv_cache, .. } = self;
+        let Some((cache, _)) = kv_cache.as_mut() else {
+            return protocol("allocate_kv_cache must be called before forward");
+        };
+        let eps = config.rms_norm_eps;
+        backend.embed(embed_tokens, batch, &mut s.residual)?;
+        for (index, layer) in layers.iter().enumerate() {
+            // The first layer normalizes the embeddings; later ones first add the previous MLP's output.
+            if index == 0 {
+                backend.rms_norm(&s.residual, &layer.input_norm, eps, &mut s.normed)?;
+            } else {
+                backend.add_rms_norm(&mut s.residual, &s.block_output, &layer.input_norm, eps, &mut s.normed)?;
+            }
+            backend.linear(&s.normed, &layer.qkv_proj, layer.qkv_bias.as_ref(), &mut s.qkv)?;
+            let qk_norm = layer.qk_norm.as_ref().map(|(q, k)| (q, k));
+            backend.rope_and_write_kv(&mut s.qkv, qk_norm, attention, batch, cache, index)?;
+            backend.paged_attention(&s.qkv, attention, batch, cache, index, &mut s.attention)?;
+            backend.linear(&s.attention, &layer.o_proj, layer.o_bias.as_ref(), &mut s.block_output)?;
+
+            backend.add_rms_norm(&mut s.residual, &s.block_output, &layer.post_attention_norm, eps, &mut s.normed)?;
+            backend.linear(&s.normed, &layer.gate_up_proj, None, &mut s.gate_up)?;
+            backend.silu_mul(&s.gate_up, &mut s.activated)?;
+            backend.linear(&s.activated, &layer.down_proj, None, &mut s.block_output)?;
+        }
+        if layers.is_empty() {
+            return backend.rms_norm(&s.residual, final_norm, eps, &mut s.normed);
+        }
+        backend.add_rms_norm(&mut s.residual, &s.block_output, final_norm, eps, &mut s.normed)
+    }
+
+    /// Logits of the batch's requested rows, row-major `[rows, vocab]`.
+    fn logits(&mut self) -> Result<Vec<f32>> {
+        let s = &mut self.scratch;
+        let lm_head = self.lm_head.as_ref().unwrap_or(&self.embed_tokens);
+        self.backend.select_logits_rows(&s.normed, &self.batch, &mut s.selected)?;
+        self.backend.linear(&s.selected, lm_head, None, &mut s.logits)?;
+        let mut host = Vec::new();
+        self.backend.copy_to_host(&s.logits, &mut host)?;
+        Ok(host)
+    }
+}
+
+impl<B: Backend> ModelRunner for LlamaModel<B> {
+    fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+
+    fn allocate_kv_cache(&mut self, num_blocks: usize, block_size: usize) -> Result<()> {
+        if num_blocks == 0 || block_size == 0 {
+            return Err(Error::InvalidRequest(format!(
+                "KV cache needs at least one block of at least one token (got {num_blocks} blocks of {block_size})"
+            )));
+        }
+        let shape = KvCacheShape {
+            num_layers: self.config.num_layers,
+            num_blocks,
+            block_size,
+            num_kv_heads: self.config.num_kv_heads,
+            head_dim: self.config.head_dim,
+        };
+        self.kv_cache = None; // release the old cache before allocating the new one
+        self.kv_cache = Some((self.backend.allocate_kv_cache(shape)?, shape));
+        Ok(())
+    }
+
+    fn forward(&mut self, batch: &ForwardBatch) -> Result<Vec<f32>> {
+        let Some((_, shape)) = &self.kv_cache else {
+            return protocol("allocate_kv_cache must be called before forward");
+        };
+        let plan = BatchPlan::new(batch, shape.block_size, shape.num_blocks, self.config.vocab_size)?;
+        if plan.num_tokens() == 0 {
+            return Ok(Vec::new());
+        }
+        self.backend.upload_batch(&plan, &mut self.batch)?;
+        self.run_decoder()?;
+        self.logits()
+    }
+
+    fn device_description(&self) -> String {
+        self.backend.description()
+    }
+
+    fn parameter_count(&self) -> usize {
+        self.parameter_count
+    }
+}
+
+/// Reads Hugging Face tensors, checks each shape against the config, and uploads it.
+struct WeightReader<'a, B: Backend> {
+    source: &'a dyn WeightSource,
+    backend: &'a B,
+    parameters: usize,
+}
+
+impl<B: Backend> WeightReader<'_, B> {
+    fn decoder_layer(&mut self, config: &ModelConfig, i: usize) -> Result<DecoderLayer<B>> {
+        let (hidden, q_dim, kv_dim) = (config.hidden_size, config.q_dim(), config.kv_dim());
+        let prefix = format!("model.layers.{i}");
+        let attn = format!("{prefix}.self_attn");
+        let mlp = format!("{prefix}.mlp");
+        if self.source.has(&format!("{mlp}.gate_proj.bias")) {
+            return load_err(format!("{mlp} has biases; MLP biases are not supported"));
+        }
+        let qkv_proj = [("q_proj", q_dim), ("k_proj", kv_dim), ("v_proj", kv_dim)]
+            .map(|(name, rows)| (format!("{attn}.{name}.weight"), rows, hidden));
+        let qkv_bias = if config.qkv_bias {
+            let biases = [("q_proj", q_dim), ("k_proj", kv_dim), ("v_proj", kv_dim)]
+                .map(|(name, len)| (format!("{attn}.{name}.bias"), len));
+            Some(self.stacked_vectors(&biases)?)
+        } else {
+            None
+        };
+        let qk_norm = if config.qk_norm {
+            let q = self.vector(&format!("{attn}.q_norm.weight"), config.head_dim)?;
+            Some((q, self.vector(&format!("{attn}.k_norm.weight"), config.head_dim)?))
+        } else {
+            None
+        };
+        // Llama's `attention_bias` also puts a bias on o_proj; Qwen2 has none there.
+        let o_bias_name = format!("{attn}.o_proj.bias");
+        let o_bias = if self.source.has(&o_bias_name) { Some(self.vector(&o_bias_name, hidden)?) } else { None };
+        let gate_up = [("gate_proj", config.intermediate_size), ("up_proj", config.intermediate_size)]
+            .map(|(name, rows)| (format!("{mlp}.{name}.weight"), rows, hidden));
+        Ok(DecoderLayer {
+            input_norm: self.vector(&format!("{prefix}.input_layernorm.weight"), hidden)?,
+            qkv_proj: self.stacked_matrices(&qkv_proj)?,
+            qkv_bias,
+            qk_norm,
+            o_proj: self.matrix(&format!("{attn}.o_proj.weight"), hidden, q_dim)?,
+            o_bias,
+            post_attention_norm: self.vector(&format!("{prefix}.post_attention_layernorm.weight"), hidden)?,
+            gate_up_proj: self.stacked_matrices(&gate_up)?,
+            down_proj: self.matrix(&format!("{mlp}.down_proj.weight"), hidden, config.intermediate_size)?,
+        })
+    }
+
+    fn matrix(&mut self, name: &str, rows: usize, cols: usize) -> Result<B::Matrix> {
+        let host = self.read(name, &[rows, cols])?;
+        self.backend.upload_matrix(host)
+    }
+
+    fn vector(&mut self, name: &str, len: usize) -> Result<B::Vector> {
+        let host = self.read(name, &[len])?;
+        self.backend.upload_vector(host)
+    }
+
+    /// Matrices `(name, rows, cols)` with equal `cols`, stacked row-wise into one.
+    fn stacked_matrices(&mut self, parts: &[(String, usize, usize)]) -> Result<B::Matrix> {
+        let cols = parts[0].2;
+        let mut stacked = HostTensor { shape: vec![0, cols], data: Vec::new() };
+        for (name, rows, cols) in parts {
+            let part = self.read(name, &[*rows, *cols])?;
+            stacked.shape[0] += rows;
+            stacked.data.extend_from_slice(&part.data);
+        }
+        self.backend.upload_matrix(stacked)
+    }
+
+    /// Vectors `(name, len)` concatenated into one.
+    fn stacked_vectors(&mut self, parts: &[(String, usize)]) -> Result<B::Vector> {
+        let mut stacked = HostTensor { shape: vec![0], data: Vec::new() };
+        for (name, len) in parts {
+            let part = self.read(name, &[*len])?;
+            stacked.shape[0] += len;
+            stacked.data.extend_from_slice(&part.data);
+        }
+        self.backend.upload_vector(stacked)
+    }
+
+    fn read(&mut self, name: &str, expected: &[usize]) -> Result<HostTensor> {
+        if !self.source.has(name) {
+            return load_err(format!(
+                "the checkpoint lacks tensor {name:?} (expected shape {expected:?}); is config.json for these weights?"
+            ));
+        }
+        let tensor = self.source.tensor(name)?;
+        if tensor.shape != expected {
+            return load_err(format!(
+                "tensor {name:?} has shape {:?} but config.json implies {expected:?}; config and weights disagree",
+                tensor.shape
+            ));
+        }
+        if tensor.data.len() != expected.iter().product::<usize>() {
+            return load_err(format!("tensor {name:?} of shape {expected:?} carries {} values", tensor.data.len()));
+        }
+        self.parameters += tensor.data.len();
+        Ok(tensor)
+    }
+}

@@ -50,3 +50,33 @@ pub trait ModelRunner: Send {
     fn device_description(&self) -> String;
     fn parameter_count(&self) -> usize;
 }
+
+/// Everything needed to serve a model: weights on a device, its tokenizer and chat template.
+pub struct LoadedModel {
+    pub config: ModelConfig,
+    pub runner: Box<dyn ModelRunner>,
+    pub tokenizer: std::sync::Arc<crate::text::tokenizer::Tokenizer>,
+    pub chat_template: Option<crate::text::chat_template::ChatTemplate>,
+    /// Where it came from, for `info`.
+    pub source: String,
+}
+
+/// Load a Hugging Face directory or a .gguf file.
+pub fn load_model(path: &std::path::Path, device: Device) -> Result<LoadedModel> {
+    if !path.exists() {
+        return crate::error::load_err(format!(
+            "model path {} does not exist; pass a Hugging Face model directory or a .gguf file",
+            path.display()
+        ));
+    }
+    if path.is_dir() {
+        loader::hf_dir::load(path, device)
+    } else if path.extension().is_some_and(|e| e.eq_ignore_ascii_case("gguf")) {
+        loader::gguf_model::load(path, device)
+    } else {
+        crate::error::load_err(format!(
+            "{} is neither a directory nor a .gguf file; pass a Hugging Face model directory or a .gguf file",
+            path.display()
+        ))
+    }
+}

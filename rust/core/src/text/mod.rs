@@ -2,3 +2,7 @@
 pub mod chat_template;
 pub mod stop;
 pub mod tokenizer;
+
+pub use chat_template::ChatTemplate;
+pub use stop::{truncate_at_stop, StreamStep, TextStream};
+pub use tokenizer::{BpeVocab, Tokenizer};

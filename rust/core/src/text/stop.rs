@@ -1,0 +1,204 @@
+//! Incremental detokenization and stop strings, run once per generated token.
+//!
+//! Decoding all ids every step would cost O(n) per token, and decoding each id alone is wrong (a character
+//! may span tokens, and some decoders treat the first token specially). So, as in vLLM and TGI, each step
+//! decodes only a short window: ids from `prefix_offset` (context already emitted) to the end, and emits
+//! what that window adds beyond the text of `prefix_offset..read_offset`.
+
+use crate::error::{protocol, Result};
+use crate::text::tokenizer::Tokenizer;
+
+/// What one generated token made safe to show.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct StreamStep {
+    /// Text newly safe to emit (never part of a possible stop string, never a partial character).
+    pub text: String,
+    /// The stop string that just completed; the stream is finished once this is set.
+    pub stopped: Option<String>,
+}
+
+/// Per-sequence detokenizer with stop-string matching across token boundaries.
+#[derive(Debug, Clone)]
+pub struct TextStream {
+    stops: Vec<String>,
+    skip_special_tokens: bool,
+    ids: Vec<u32>,
+    /// Start of the decode window: ids before it are never decoded again.
+    prefix_offset: usize,
+    /// Ids before this have had their text appended to `decoded`.
+    read_offset: usize,
+    /// All complete text decoded so far; `decoded[..emitted_len]` has been emitted.
+    decoded: String,
+    emitted_len: usize,
+    stopped: Option<String>,
+    flushed: bool,
+    /// Lossy text of a trailing incomplete character, released only by `flush`.
+    incomplete_tail: String,
+}
+
+struct WindowText {
+    text: String,
+    /// False while the text ends in an incomplete UTF-8 sequence (decoded as U+FFFD).
+    is_complete: bool,
+}
+
+impl TextStream {
+    /// Empty stop strings are ignored: they would match before any text.
+    pub fn new(stops: Vec<String>, skip_special_tokens: bool) -> Self {
+        Self {
+            stops: stops.into_iter().filter(|s| !s.is_empty()).collect(),
+            skip_special_tokens,
+            ids: Vec::new(),
+            prefix_offset: 0,
+            read_offset: 0,
+            decoded: String::new(),
+            emitted_len: 0,
+            stopped: None,
+            flushed: false,
+            incomplete_tail: String::new(),
+        }
+    }
+
+    /// Feeds one generated token; returns the text it made safe and whether a stop string completed.
+    pub fn push(&mut self, tok: &Tokenizer, id: u32) -> Result<StreamStep> {
+        if let Some(stop) = &self.stopped {
+            return protocol(format!("text stream already stopped at {stop:?}; no more tokens may be pushed"));
+        }
+        if self.flushed {
+            return protocol("text stream was flushed (finished); no more tokens may be pushed");
+        }
+        self.ids.push(id);
+        let added = self.decode_new_tokens(tok)?;
+        if added.is_complete {
+            self.incomplete_tail.clear();
+            if !added.text.is_empty() {
+                self.decoded.push_str(&added.text);
+                self.prefix_offset = self.read_offset;
+                self.read_offset = self.ids.len();
+            }
+        } else {
+            // Keep the lossy text so a finish mid-character still yields what decode(all ids) would.
+            self.incomplete_tail = added.text;
+        }
+        Ok(self.release())
+    }
+
+    /// Releases everything held back (a partial stop string, a trailing incomplete character) at a finish
+    /// that was not a stop. The stream accepts no tokens afterwards.
+    pub fn flush(&mut self) -> String {
+        if self.stopped.is_some() || self.flushed {
+            return String::new();
+        }
+        self.flushed = true;
+        let tail = std::mem::take(&mut self.incomplete_tail);
+        self.decoded.push_str(&tail);
+        let out = self.decoded[self.emitted_len..].to_string();
+        self.emitted_len = self.decoded.len();
+        out
+    }
+
+    /// All text emitted so far (the concatenation of every step's `text`, plus `flush`).
+    pub fn text(&self) -> &str {
+        &self.decoded[..self.emitted_len]
+    }
+
+    /// The stop string that ended this stream, if any.
+    pub fn stopped(&self) -> Option<&str> {
+        self.stopped.as_deref()
+    }
+
+    /// Text that the ids since `read_offset` add to the decoded window.
+    fn decode_new_tokens(&self, tok: &Tokenizer) -> Result<WindowText> {
+        let prefix = tok.decode(&self.ids[self.prefix_offset..self.read_offset], self.skip_special_tokens)?;
+        let full = tok.decode(&self.ids[self.prefix_offset..], self.skip_special_tokens)?;
+        // The window's text extends the prefix's for byte-level decoders; slicing by length (as vLLM does)
+        // also tolerates decoders that rewrite the start of a window. Nothing new (e.g. a skipped special
+        // token) leaves the offsets where they are.
+        let text = match full.get(prefix.len()..) {
+            Some(added) if full.len() > prefix.len() => added.to_string(),
+            _ => String::new(),
+        };
+        // U+FFFD at the end means the last token stopped mid-character: wait for the rest of it.
+        Ok(WindowText { is_complete: !text.ends_with('\u{FFFD}'), text })
+    }
+
+    /// Emits what can no longer become part of a stop string, or cuts at a stop that just completed.
+    fn release(&mut self) -> StreamStep {
+        let pending = &self.decoded[self.emitted_len..];
+        if let Some((at, stop)) = earliest_stop(pending, &self.stops) {
+            let stop_start = self.emitted_len + at;
+            let text = self.decoded[self.emitted_len..stop_start].to_string();
+            self.decoded.truncate(stop_start);
+            self.emitted_len = stop_start;
+            self.stopped = Some(stop.to_string());
+            return StreamStep { text, stopped: self.stopped.clone() };
+        }
+        let hold = longest_stop_prefix_suffix(pending, &self.stops);
+        let safe_end = self.decoded.len() - hold;
+        let text = self.decoded[self.emitted_len..safe_end].to_string();
+        self.emitted_len = safe_end;
+        StreamStep { text, stopped: None }
+    }
+}
+
+/// Cuts a finished text at its earliest stop string (the stop is not included). Ties at the same
+/// position go to the shortest stop, the one a stream would have completed first.
+pub fn truncate_at_stop(text: &str, stops: &[String]) -> (String, Option<String>) {
+    match earliest_stop(text, stops) {
+        Some((at, stop)) => (text[..at].to_string(), Some(stop.to_string())),
+        None => (text.to_string(), None),
+    }
+}
+
+/// Byte position and text of the earliest stop occurrence in `text` (shortest stop on ties).
+fn earliest_stop<'s>(text: &str, stops: &'s [String]) -> Option<(usize, &'s str)> {
+    stops
+        .iter()
+        .filter(|s| !s.is_empty())
+        .filter_map(|s| text.find(s.as_str()).map(|at| (at, s.as_str())))
+        .min_by_key(|&(at, s)| (at, s.len()))
+}
+
+/// Length in bytes of the longest suffix of `text` that is a proper prefix of some stop string: text that
+/// the next tokens could still turn into a stop, so it must not be emitted yet.
+fn longest_stop_prefix_suffix(text: &str, stops: &[String]) -> usize {
+    stops
+        .iter()
+        .filter_map(|stop| {
+            let longest = (stop.len() - 1).min(text.len());
+            (1..=longest)
+                .rev()
+                .find(|&n| stop.is_char_boundary(n) && text.ends_with(&stop[..n]))
+        })
+        .max()
+        .unwrap_or(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn stops(list: &[&str]) -> Vec<String> {
+        list.iter().map(|s| s.to_string()).collect()
+    }
+
+    #[test]
+    fn truncate_at_stop_takes_the_earliest_occurrence() {
+        let s = stops(&["world", "lo"]);
+        assert_eq!(truncate_at_stop("hello world", &s), ("hel".to_string(), Some("lo".to_string())));
+        assert_eq!(truncate_at_stop("no match", &s), ("no match".to_string(), None));
+        assert_eq!(truncate_at_stop("abc", &stops(&["abc", "ab"])), ("".to_string(), Some("ab".to_string())));
+        assert_eq!(truncate_at_stop("abc", &stops(&[""])), ("abc".to_string(), None));
+    }
+
+    #[test]
+    fn held_suffix_is_the_longest_stop_prefix() {
+        let s = stops(&["</end>", "xyz"]);
+        assert_eq!(longest_stop_prefix_suffix("text </e", &s), 3);
+        assert_eq!(longest_stop_prefix_suffix("text <", &s), 1);
+        assert_eq!(longest_stop_prefix_suffix("textxy", &s), 2);
+        assert_eq!(longest_stop_prefix_suffix("text", &s), 0);
+        // A multi-byte stop is only held at character boundaries.
+        assert_eq!(longest_stop_prefix_suffix("a é", &stops(&["éa"])), 2);
+    }
+}

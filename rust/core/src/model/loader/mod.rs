@@ -13,3 +13,17 @@ pub trait WeightSource {
     fn tensor(&self, hf_name: &str) -> crate::Result<HostTensor>;
     fn has(&self, hf_name: &str) -> bool;
 }
+
+pub mod safetensors;
+
+pub use self::safetensors::{load_hf_config, SafetensorsSource};
+
+/// Open a Hugging Face model directory: its config (EOS ids merged from generation_config.json) and its
+/// memory-mapped safetensors weights.
+pub fn open_hf_model(dir: &std::path::Path) -> crate::Result<(crate::model::ModelConfig, SafetensorsSource)> {
+    Ok((load_hf_config(dir)?, SafetensorsSource::open(dir)?))
+}
+pub mod gguf_model;
+pub mod hf_dir;
+pub mod gguf;
+pub mod gguf_quant;

@@ -1,0 +1,301 @@
+//! RuntimeCoordinator: loads a model, owns the stepper, and begins stepped sessions or runs whole batches.
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+
+use crate::error::{invalid, protocol, Result};
+use crate::ids::RequestId;
+use crate::intent::IntentBuilder;
+use crate::model::{load_model, Device, LoadedModel};
+use crate::request::{FinishReason, GenerationRequest, GenerationResponse, Prompt};
+use crate::state::context_cache::ContextCacheConfig;
+use crate::state::PoolCounts;
+use crate::step::{AdmissionIntent, AdmissionStatus, ImmutableDecodeBatch, ImmutablePrefillBatch, StepResult};
+use crate::stepped::{lock, materialize, SteppedRequest};
+use crate::stepper::{RuntimeStepper, StepperConfig};
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ParallelConfig {
+    pub tensor_parallel_size: usize,
+    pub devices: Vec<usize>,
+}
+
+impl Default for ParallelConfig {
+    fn default() -> Self {
+        Self { tensor_parallel_size: 1, devices: Vec::new() }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Config {
+    /// A Hugging Face directory or a .gguf file; None means the default model (resolved by the Python layer).
+    pub model: String,
+    /// "cpu", "cuda", "cuda:N" or "auto".
+    pub device: String,
+    /// Resident slots: the most sequences live at once.
+    pub max_batch_size: usize,
+    /// KV cache budget in tokens (rounded up to whole blocks).
+    pub kv_cache_tokens: usize,
+    pub block_size: usize,
+    /// Longest prompt + output; None means the model's max_position_embeddings.
+    pub max_model_len: Option<usize>,
+    pub context_cache: ContextCacheConfig,
+    pub parallel: ParallelConfig,
+}
+
+impl Config {
+    pub fn new(model: impl Into<String>) -> Self {
+        Self {
+            model: model.into(),
+            device: "auto".into(),
+            max_batch_size: 8,
+            kv_cache_tokens: 16384,
+            block_size: 16,
+            max_model_len: None,
+            context_cache: ContextCacheConfig::default(),
+            parallel: ParallelConfig::default(),
+        }
+    }
+
+    pub fn validate(&self) -> Result<()> {
+        if self.max_batch_size == 0 {
+            return invalid("max_batch_size must be at least 1");
+        }
+        if self.block_size == 0 || self.block_size > 1024 {
+            return invalid(format!("block_size must be in 1..=1024, got {}", self.block_size));
+        }
+        if self.kv_cache_tokens < self.block_size {
+            return invalid(format!("kv_cache_tokens ({}) must hold at least one block ({})", self.kv_cache_tokens, self.block_size));
+        }
+        if self.parallel.tensor_parallel_size != 1 {
+            return invalid("tensor_parallel_size > 1 is not supported yet; use 1");
+        }
+        Ok(())
+    }
+}
+
+/// Resolve "cpu" / "cuda" / "cuda:N" / "auto".
+pub fn parse_device(name: &str) -> Result<Device> {
+    match name {
+        "cpu" => Ok(Device::Cpu),
+        "auto" => Ok(if cuda_available() { Device::Cuda(0) } else { Device::Cpu }),
+        "cuda" => Ok(Device::Cuda(0)),
+        other => match other.strip_prefix("cuda:").and_then(|n| n.parse().ok()) {
+            Some(n) => Ok(Device::Cuda(n)),
+            None => invalid(format!("unknown device {other:?}; use \"cpu\", \"cuda\", \"cuda:N\" or \"auto\"")),
+        },
+    }
+}
+
+/// Whether a CUDA device can be used. The CUDA backend is not built yet, so "auto" always means the CPU.
+pub fn cuda_available() -> bool {
+    false
+}
+
+/// What callers may want to know about the loaded model.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ModelInfo {
+    pub source: String,
+    pub architecture: String,
+    pub parameters: usize,
+    pub device: String,
+    pub vocab_size: usize,
+    pub max_model_len: usize,
+    pub kv_cache_tokens: usize,
+    pub block_size: usize,
+    pub max_batch_size: usize,
+    pub eos_token_ids: Vec<u32>,
+}
+
+pub struct RuntimeCoordinator {
+    stepper: Arc<Mutex<RuntimeStepper>>,
+    intents: Arc<IntentBuilder>,
+    active: Arc<AtomicBool>,
+    info: ModelInfo,
+}
+
+impl RuntimeCoordinator {
+    pub fn new(config: Config) -> Result<Self> {
+        config.validate()?;
+        let device = parse_device(&config.device)?;
+        let loaded = load_model(std::path::Path::new(&config.model), device)?;
+        Self::from_loaded(loaded, &config)
+    }
+
+    pub fn from_loaded(loaded: LoadedModel, config: &Config) -> Result<Self> {
+        config.validate()?;
+        let LoadedModel { config: model_config, runner, tokenizer, chat_template, source } = loaded;
+        let max_model_len = config.max_model_len.unwrap_or(model_config.max_position_embeddings).max(2);
+        let num_blocks = config.kv_cache_tokens.div_ceil(config.block_size);
+        let stepper_config = StepperConfig {
+            max_batch_size: config.max_batch_size,
+            num_blocks,
+            block_size: config.block_size,
+            max_model_len,
+            cache: config.context_cache.clone(),
+        };
+        let info = ModelInfo {
+            source,
+            architecture: model_config.architecture.hf_name().to_string(),
+            parameters: runner.parameter_count(),
+            device: runner.device_description(),
+            vocab_size: model_config.vocab_size,
+            max_model_len,
+            kv_cache_tokens: num_blocks * config.block_size,
+            block_size: config.block_size,
+            max_batch_size: config.max_batch_size,
+            eos_token_ids: model_config.eos_token_ids.clone(),
+        };
+        let intents = IntentBuilder {
+            tokenizer: Arc::clone(&tokenizer),
+            chat_template,
+            vocab_size: model_config.vocab_size,
+            max_model_len,
+            kv_capacity_tokens: num_blocks * config.block_size,
+        };
+        let stepper = RuntimeStepper::new(runner, tokenizer, model_config.eos_token_ids.clone(), stepper_config)?;
+        Ok(Self { stepper: Arc::new(Mutex::new(stepper)), intents: Arc::new(intents), active: Arc::new(AtomicBool::new(false)), info })
+    }
+
+    pub fn info(&self) -> &ModelInfo {
+        &self.info
+    }
+
+    pub fn intents(&self) -> &Arc<IntentBuilder> {
+        &self.intents
+    }
+
+    /// The shared stepper, for the engine's actor thread.
+    pub fn stepper(&self) -> &Arc<Mutex<RuntimeStepper>> {
+        &self.stepper
+    }
+
+    pub fn counts(&self) -> PoolCounts {
+        lock(&self.stepper).counts()
+    }
+
+    /// Begin a stepped session with a founder request; its prefill runs now and is reported by the first
+    /// prefill tick.
+    pub fn begin_stepped(&self, request: GenerationRequest, request_id: RequestId, original_index: u32) -> Result<SteppedRequest> {
+        self.claim_session()?;
+        SteppedRequest::begin(Arc::clone(&self.stepper), Arc::clone(&self.intents), Arc::clone(&self.active), request, request_id, original_index)
+    }
+
+    pub(crate) fn claim_session(&self) -> Result<()> {
+        if self.active.compare_exchange(false, true, Ordering::SeqCst, Ordering::SeqCst).is_err() {
+            return protocol("a stepped session or batch is already running on this coordinator; finish() or abort() it first");
+        }
+        Ok(())
+    }
+
+    pub(crate) fn release_session(&self) {
+        self.active.store(false, Ordering::SeqCst);
+    }
+
+    pub fn count_prompt_tokens(&self, request: &GenerationRequest) -> Result<usize> {
+        Ok(self.intents.prompt_ids(request)?.len())
+    }
+
+    /// Run a whole batch to completion; responses in request order. Invalid requests raise before anything
+    /// runs; requests that can never fit the KV cache come back with finish reason ERROR.
+    pub fn dispatch_request(&self, requests: Vec<GenerationRequest>) -> Result<Vec<GenerationResponse>> {
+        let intents = requests
+            .into_iter()
+            .enumerate()
+            .map(|(i, r)| self.intents.build(r, i as RequestId + 1, i as u32))
+            .collect::<Result<Vec<_>>>()?;
+        self.claim_session()?;
+        let result = run_batch(&mut lock(&self.stepper), intents);
+        self.release_session();
+        result
+    }
+
+    /// Prefill a system prompt and pin its full KV blocks in the context cache. Returns the cached tokens.
+    pub fn gen_and_save_system_prompt_kv_cache(&self, prompt: Prompt) -> Result<usize> {
+        let ids = match prompt {
+            Prompt::Messages(m) => {
+                let template = self.intents.chat_template.as_ref().ok_or_else(|| crate::Error::InvalidRequest("this model has no chat template".into()))?;
+                self.intents.tokenizer.encode(&template.render(&m, false)?, false)?
+            }
+            other => self.intents.prompt_ids(&GenerationRequest::new(other, Default::default()))?,
+        };
+        self.claim_session()?;
+        let result = lock(&self.stepper).save_pinned_prefix(&ids);
+        self.release_session();
+        result
+    }
+
+    /// CUDA graphs exist only on the GPU backend; on the CPU there is nothing to capture.
+    pub fn capture_decoding_cuda_graph(&self) -> Result<bool> {
+        Ok(false)
+    }
+
+    pub fn supports_stepped_execution(&self) -> bool {
+        true
+    }
+
+    pub fn supports_boundary_scheduling(&self) -> bool {
+        true
+    }
+
+    pub fn world_size(&self) -> usize {
+        1
+    }
+
+    pub fn owns_global_rank(&self, rank: usize) -> bool {
+        rank == 0
+    }
+}
+
+/// FCFS: admit and prefill while capacity allows (prefill first), otherwise decode every resident.
+fn run_batch(stepper: &mut RuntimeStepper, intents: Vec<AdmissionIntent>) -> Result<Vec<GenerationResponse>> {
+    let n = intents.len();
+    let mut waiting: VecDeque<AdmissionIntent> = intents.into();
+    let mut responses: Vec<Option<GenerationResponse>> = (0..n).map(|_| None).collect();
+    let collect = |step: &StepResult, responses: &mut Vec<Option<GenerationResponse>>| {
+        for (_, batch) in &step.finished {
+            responses[batch.identity.original_index as usize] = Some(materialize(batch, &[]));
+        }
+    };
+    while !waiting.is_empty() || !stepper.residents().is_empty() {
+        if let Some(head) = waiting.front().cloned() {
+            let adm = stepper.admit(head.clone())?;
+            match adm.status {
+                AdmissionStatus::Admitted => {
+                    waiting.pop_front();
+                    let step = stepper.prefill(&ImmutablePrefillBatch { target: adm.resident.expect("admitted") })?;
+                    collect(&step, &mut responses);
+                    continue;
+                }
+                AdmissionStatus::Rejected => {
+                    waiting.pop_front();
+                    responses[head.original_index as usize] = Some(rejected_response(&head, adm.reason.unwrap_or_default()));
+                    continue;
+                }
+                AdmissionStatus::NoCapacity if stepper.residents().is_empty() => {
+                    return Err(crate::Error::Internal(format!("request {} cannot be admitted into an idle runtime: {}", head.request_id, adm.reason.unwrap_or_default())));
+                }
+                AdmissionStatus::NoCapacity => {}
+            }
+        }
+        let step = stepper.decode(&ImmutableDecodeBatch { residents: stepper.residents() })?;
+        collect(&step, &mut responses);
+    }
+    Ok(responses.into_iter().map(|r| r.expect("every request finished")).collect())
+}
+
+fn rejected_response(intent: &AdmissionIntent, reason: String) -> GenerationResponse {
+    GenerationResponse {
+        request_id: intent.request_id,
+        original_index: intent.original_index,
+        prompt_ids: intent.prompt_ids.clone(),
+        output_ids: Vec::new(),
+        output_text: String::new(),
+        finish_reason: FinishReason::Error,
+        stop_reason: None,
+        logprobs: None,
+        cached_prompt_tokens: 0,
+        error: Some(reason),
+    }
+}

@@ -1,0 +1,300 @@
+//! RequestEngine: an actor thread that owns a coordinator's stepper and drives one operation per tick.
+//! submit and cancel work from any thread; each request gets its own stream of events.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc::{channel, Receiver, Sender};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+
+use crate::coordinator::RuntimeCoordinator;
+use crate::error::{Error, Result};
+use crate::ids::{RequestId, ResidentRef};
+use crate::intent::IntentBuilder;
+use crate::request::{FinishReason, GenerationRequest, GenerationResponse};
+use crate::state::PoolCounts;
+use crate::step::{AdmissionIntent, AdmissionStatus, ImmutableDecodeBatch, ImmutablePrefillBatch, StepResult};
+use crate::stepped::{lock, materialize};
+use crate::stepper::RuntimeStepper;
+
+/// What a request's stream carries, in order: deltas, then exactly one Finished.
+#[derive(Debug, Clone, PartialEq)]
+pub enum EngineEvent {
+    Delta { token_ids: Vec<u32>, text: String },
+    Finished(GenerationResponse),
+}
+
+pub struct RequestHandle {
+    pub id: RequestId,
+    pub events: Receiver<EngineEvent>,
+}
+
+/// A snapshot of the engine's load and resources.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct EngineStats {
+    pub waiting: usize,
+    pub running: usize,
+    pub counts: PoolCounts,
+    pub prompt_tokens: u64,
+    pub cached_prompt_tokens: u64,
+    pub generated_tokens: u64,
+    pub finished: HashMap<String, u64>,
+    pub steps: u64,
+}
+
+enum Command {
+    Submit { intent: AdmissionIntent, events: Sender<EngineEvent> },
+    Cancel(RequestId),
+    Shutdown,
+}
+
+pub struct RequestEngine {
+    commands: Sender<Command>,
+    thread: Option<JoinHandle<()>>,
+    intents: Arc<IntentBuilder>,
+    next_id: AtomicU64,
+    stats: Arc<Mutex<EngineStats>>,
+    coordinator: Arc<RuntimeCoordinator>,
+}
+
+impl RequestEngine {
+    pub fn new(coordinator: RuntimeCoordinator) -> Result<Self> {
+        // The engine drives the stepper for its whole life; no stepped session may run beside it.
+        coordinator.claim_session()?;
+        let coordinator = Arc::new(coordinator);
+        let (tx, rx) = channel();
+        let stats = Arc::new(Mutex::new(EngineStats::default()));
+        let actor = Actor {
+            stepper: Arc::clone(coordinator.stepper()),
+            commands: rx,
+            waiting: VecDeque::new(),
+            running: HashMap::new(),
+            stats: Arc::clone(&stats),
+        };
+        let thread = std::thread::Builder::new()
+            .name("stepllm-engine".into())
+            .spawn(move || actor.run())
+            .map_err(|e| Error::Internal(format!("cannot start the engine thread: {e}")))?;
+        Ok(Self { commands: tx, thread: Some(thread), intents: Arc::clone(coordinator.intents()), next_id: AtomicU64::new(1), stats, coordinator })
+    }
+
+    pub fn coordinator(&self) -> &RuntimeCoordinator {
+        &self.coordinator
+    }
+
+    /// Validate and tokenize on the caller's thread (bad input raises here), then queue.
+    pub fn submit(&self, request: GenerationRequest) -> Result<RequestHandle> {
+        let id = self.next_id.fetch_add(1, Ordering::SeqCst);
+        let intent = self.intents.build(request, id, 0)?;
+        let (tx, rx) = channel();
+        self.commands
+            .send(Command::Submit { intent, events: tx })
+            .map_err(|_| Error::Protocol("the engine has shut down; create a new one".into()))?;
+        Ok(RequestHandle { id, events: rx })
+    }
+
+    /// Cancel a request wherever it is; its stream ends with finish reason CANCELLED. Unknown ids are ignored.
+    pub fn cancel(&self, id: RequestId) {
+        let _ = self.commands.send(Command::Cancel(id));
+    }
+
+    pub fn stats(&self) -> EngineStats {
+        let mut s = self.stats.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        s.counts = self.coordinator.counts();
+        s
+    }
+
+    pub fn shutdown(&mut self) {
+        let _ = self.commands.send(Command::Shutdown);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+            self.coordinator.release_session();
+        }
+    }
+}
+
+impl Drop for RequestEngine {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+struct Running {
+    events: Sender<EngineEvent>,
+    resident: ResidentRef,
+    streamed_tokens: usize,
+    streamed_text: usize,
+}
+
+struct Actor {
+    stepper: Arc<Mutex<RuntimeStepper>>,
+    commands: Receiver<Command>,
+    waiting: VecDeque<(AdmissionIntent, Sender<EngineEvent>)>,
+    running: HashMap<RequestId, Running>,
+    stats: Arc<Mutex<EngineStats>>,
+}
+
+impl Actor {
+    fn run(mut self) {
+        loop {
+            let idle = self.waiting.is_empty() && self.running.is_empty();
+            let first = if idle { self.commands.recv().ok() } else { self.commands.try_recv().ok() };
+            let mut shutdown = idle && first.is_none();
+            let mut batch: Vec<Command> = first.into_iter().collect();
+            batch.extend(self.commands.try_iter());
+            for cmd in batch {
+                shutdown |= self.handle(cmd);
+            }
+            if shutdown {
+                self.abort_everything();
+                return;
+            }
+            if let Err(e) = self.tick() {
+                self.fail_everything(&e);
+            }
+            self.publish_stats();
+        }
+    }
+
+    /// Returns true on shutdown.
+    fn handle(&mut self, cmd: Command) -> bool {
+        match cmd {
+            Command::Submit { intent, events } => self.waiting.push_back((intent, events)),
+            Command::Cancel(id) => self.cancel(id),
+            Command::Shutdown => return true,
+        }
+        false
+    }
+
+    fn cancel(&mut self, id: RequestId) {
+        if let Some(pos) = self.waiting.iter().position(|(i, _)| i.request_id == id) {
+            let (intent, events) = self.waiting.remove(pos).expect("position is valid");
+            let _ = events.send(EngineEvent::Finished(unstarted_response(&intent, FinishReason::Cancelled, None)));
+            self.count_finish(FinishReason::Cancelled);
+        } else if let Some(run) = self.running.get(&id) {
+            let _ = lock(&self.stepper).cancel(run.resident);
+        }
+    }
+
+    /// One operation: admit + prefill the head of the queue when it fits (prefill first), else decode.
+    fn tick(&mut self) -> Result<()> {
+        if let Some((head, _)) = self.waiting.front() {
+            let head = head.clone();
+            let adm = lock(&self.stepper).admit(head.clone())?;
+            match adm.status {
+                AdmissionStatus::Admitted => {
+                    let (_, events) = self.waiting.pop_front().expect("head exists");
+                    let resident = adm.resident.expect("admitted");
+                    self.add_stat(|s| s.prompt_tokens += head.prompt_ids.len() as u64);
+                    self.running.insert(head.request_id, Running { events, resident, streamed_tokens: 0, streamed_text: 0 });
+                    let step = lock(&self.stepper).prefill(&ImmutablePrefillBatch { target: resident })?;
+                    self.deliver(step);
+                    return Ok(());
+                }
+                AdmissionStatus::Rejected => {
+                    let (intent, events) = self.waiting.pop_front().expect("head exists");
+                    let _ = events.send(EngineEvent::Finished(unstarted_response(&intent, FinishReason::Error, adm.reason)));
+                    self.count_finish(FinishReason::Error);
+                    return Ok(());
+                }
+                AdmissionStatus::NoCapacity => {}
+            }
+        }
+        let residents = lock(&self.stepper).residents();
+        if !residents.is_empty() {
+            let step = lock(&self.stepper).decode(&ImmutableDecodeBatch { residents })?;
+            self.deliver(step);
+        }
+        Ok(())
+    }
+
+    fn deliver(&mut self, step: StepResult) {
+        let mut gone = Vec::new();
+        self.add_stat(|s| s.steps += 1);
+        for (r, delta) in step.deltas {
+            let Some((id, run)) = self.running.iter_mut().find(|(_, run)| run.resident == r) else { continue };
+            run.streamed_tokens += delta.token_ids.len();
+            run.streamed_text += delta.text.len();
+            let n = delta.token_ids.len() as u64;
+            if run.events.send(EngineEvent::Delta { token_ids: delta.token_ids, text: delta.text }).is_err() {
+                gone.push(*id); // the caller dropped its stream: cancel so the next tick frees its slot
+            }
+            self.add_stat(|s| s.generated_tokens += n);
+        }
+        for (_, batch) in step.finished {
+            let id = batch.identity.request_id;
+            let Some(run) = self.running.remove(&id) else { continue };
+            let response = materialize(&batch, &[]);
+            let tail_tokens = response.output_ids[run.streamed_tokens.min(response.output_ids.len())..].to_vec();
+            let tail_text = response.output_text.get(run.streamed_text..).unwrap_or("").to_string();
+            self.add_stat(|s| {
+                s.generated_tokens += tail_tokens.len() as u64;
+                s.cached_prompt_tokens += batch.cached_prompt_tokens as u64;
+            });
+            if !tail_tokens.is_empty() || !tail_text.is_empty() {
+                let _ = run.events.send(EngineEvent::Delta { token_ids: tail_tokens, text: tail_text });
+            }
+            self.count_finish(response.finish_reason);
+            let _ = run.events.send(EngineEvent::Finished(response));
+        }
+        for id in gone {
+            self.cancel(id);
+        }
+    }
+
+    fn abort_everything(&mut self) {
+        for (_, batch) in lock(&self.stepper).abort_all() {
+            if let Some(run) = self.running.remove(&batch.identity.request_id) {
+                let _ = run.events.send(EngineEvent::Finished(materialize(&batch, &[])));
+            }
+        }
+        for (intent, events) in self.waiting.drain(..) {
+            let _ = events.send(EngineEvent::Finished(unstarted_response(&intent, FinishReason::Cancelled, None)));
+        }
+    }
+
+    /// A step failed as a whole (a bug or a device failure): fail everyone, free everything, keep serving.
+    fn fail_everything(&mut self, e: &Error) {
+        for (_, batch) in lock(&self.stepper).abort_all() {
+            if let Some(run) = self.running.remove(&batch.identity.request_id) {
+                let mut response = materialize(&batch, &[]);
+                response.finish_reason = FinishReason::Error;
+                response.error = Some(e.to_string());
+                let _ = run.events.send(EngineEvent::Finished(response));
+                self.count_finish(FinishReason::Error);
+            }
+        }
+    }
+
+    fn count_finish(&self, reason: FinishReason) {
+        self.add_stat(|s| *s.finished.entry(reason.as_str().to_string()).or_default() += 1);
+    }
+
+    fn add_stat(&self, f: impl FnOnce(&mut EngineStats)) {
+        f(&mut self.stats.lock().unwrap_or_else(|p| p.into_inner()));
+    }
+
+    fn publish_stats(&self) {
+        let (waiting, running) = (self.waiting.len(), self.running.len());
+        self.add_stat(|s| {
+            s.waiting = waiting;
+            s.running = running;
+        });
+    }
+}
+
+fn unstarted_response(intent: &AdmissionIntent, reason: FinishReason, error: Option<String>) -> GenerationResponse {
+    GenerationResponse {
+        request_id: intent.request_id,
+        original_index: intent.original_index,
+        prompt_ids: intent.prompt_ids.clone(),
+        output_ids: Vec::new(),
+        output_text: String::new(),
+        finish_reason: reason,
+        stop_reason: None,
+        logprobs: None,
+        cached_prompt_tokens: 0,
+        error,
+    }
+}
+

@@ -1,0 +1,91 @@
+//! Admission stage 1: validate, apply the chat template, tokenize. Touches no resident state.
+
+use std::sync::Arc;
+
+use crate::error::{invalid, Result};
+use crate::ids::RequestId;
+use crate::request::{GenerationRequest, Prompt};
+use crate::step::AdmissionIntent;
+use crate::text::chat_template::ChatTemplate;
+use crate::text::tokenizer::Tokenizer;
+
+pub struct IntentBuilder {
+    pub tokenizer: Arc<Tokenizer>,
+    pub chat_template: Option<ChatTemplate>,
+    pub vocab_size: usize,
+    pub max_model_len: usize,
+    pub kv_capacity_tokens: usize,
+}
+
+impl IntentBuilder {
+    pub fn build(&self, request: GenerationRequest, request_id: RequestId, original_index: u32) -> Result<AdmissionIntent> {
+        if request_id == 0 {
+            return invalid("request_id must be non-zero (zero is reserved for 'no request')");
+        }
+        request.sampling.validate()?;
+        self.check_token_ids("logit_bias", request.sampling.logit_bias.iter().map(|(t, _)| *t))?;
+        self.check_token_ids("stop_token_ids", request.sampling.stop_token_ids.iter().copied())?;
+        let prompt_ids = self.prompt_ids(&request)?;
+        self.check_lengths(prompt_ids.len(), request.sampling.max_tokens)?;
+        Ok(AdmissionIntent { request_id, original_index, request, prompt_ids })
+    }
+
+    /// The prompt's token ids as the model will see them.
+    pub fn prompt_ids(&self, request: &GenerationRequest) -> Result<Vec<u32>> {
+        let ids = match &request.prompt {
+            Prompt::Text(text) => {
+                if text.is_empty() {
+                    return invalid("prompt is empty: give at least one character or token");
+                }
+                self.tokenizer.encode(text, request.add_special_tokens)?
+            }
+            Prompt::Messages(messages) => {
+                if messages.is_empty() {
+                    return invalid("messages is empty: give at least one message");
+                }
+                let template = self.chat_template.as_ref().ok_or_else(|| {
+                    crate::Error::InvalidRequest("this model has no chat template; pass a text prompt instead".into())
+                })?;
+                let text = template.render(messages, true)?;
+                // The template already wrote any BOS it wants, as transformers' apply_chat_template assumes.
+                self.tokenizer.encode(&text, false)?
+            }
+            Prompt::TokenIds(ids) => {
+                self.check_token_ids("prompt token", ids.iter().copied())?;
+                ids.clone()
+            }
+        };
+        if ids.is_empty() {
+            return invalid("prompt tokenizes to zero tokens");
+        }
+        Ok(ids)
+    }
+
+    fn check_token_ids(&self, what: &str, ids: impl Iterator<Item = u32>) -> Result<()> {
+        for id in ids {
+            if id as usize >= self.vocab_size {
+                return invalid(format!("{what} id {id} is outside the vocabulary (size {})", self.vocab_size));
+            }
+        }
+        Ok(())
+    }
+
+    fn check_lengths(&self, prompt_len: usize, max_tokens: usize) -> Result<()> {
+        let limit = self.max_model_len.min(self.kv_capacity_tokens);
+        if prompt_len >= limit {
+            return invalid(format!(
+                "prompt has {prompt_len} tokens but at most {} fit (max_model_len {}, KV cache {} tokens)",
+                limit - 1,
+                self.max_model_len,
+                self.kv_capacity_tokens
+            ));
+        }
+        if prompt_len + max_tokens > self.max_model_len {
+            return invalid(format!(
+                "prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceeds the context length {}; lower max_tokens",
+                self.max_model_len
+            ));
+        }
+        Ok(())
+    }
+}

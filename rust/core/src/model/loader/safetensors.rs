@@ -1,0 +1,238 @@
+//! Hugging Face safetensors checkpoints: one `model.safetensors` or shards listed by
+//! `model.safetensors.index.json`, memory-mapped; F32, F16 and BF16 tensors are converted to f32 on request.
+
+use super::{HostTensor, WeightSource};
+use crate::error::{load_err, Error, Result};
+use crate::model::config::{ids_from, ModelConfig};
+use ::safetensors::tensor::{Dtype, Metadata, SafeTensors, TensorInfo};
+use memmap2::Mmap;
+use serde_json::Value;
+use std::collections::HashMap;
+use std::fs::File;
+use std::path::{Path, PathBuf};
+
+const SINGLE_FILE: &str = "model.safetensors";
+const INDEX_FILE: &str = "model.safetensors.index.json";
+/// safetensors files start with the header length as a little-endian u64.
+const HEADER_LEN_BYTES: usize = 8;
+
+/// Weights of a Hugging Face checkpoint, served by tensor name.
+pub struct SafetensorsSource {
+    shards: Vec<Shard>,
+    /// Tensor name -> index into `shards`.
+    shard_of: HashMap<String, usize>,
+}
+
+struct Shard {
+    path: PathBuf,
+    mmap: Mmap,
+    header_len: usize,
+    metadata: Metadata,
+}
+
+impl SafetensorsSource {
+    /// Open the checkpoint in a model directory (sharded when `model.safetensors.index.json` is there).
+    pub fn open(dir: &Path) -> Result<Self> {
+        let index = dir.join(INDEX_FILE);
+        if index.is_file() {
+            return Self::open_index(dir, &index);
+        }
+        let single = dir.join(SINGLE_FILE);
+        if single.is_file() {
+            return Self::open_files(&[single]);
+        }
+        load_err(format!(
+            "{} has neither {SINGLE_FILE} nor {INDEX_FILE}; point at a Hugging Face model directory with \
+             safetensors weights (download one with `huggingface-cli download <repo> --local-dir <dir>`)",
+            dir.display()
+        ))
+    }
+
+    /// Open explicit safetensors files; every tensor of every file is served.
+    pub fn open_files(paths: &[PathBuf]) -> Result<Self> {
+        let mut source = Self { shards: Vec::new(), shard_of: HashMap::new() };
+        for path in paths {
+            let shard = Shard::open(path)?;
+            let at = source.shards.len();
+            for name in shard.metadata.tensors().into_keys() {
+                if let Some(previous) = source.shard_of.insert(name.clone(), at) {
+                    return load_err(format!(
+                        "tensor {name:?} is in both {} and {}; the checkpoint is inconsistent, re-download it",
+                        source.shards[previous].path.display(),
+                        path.display()
+                    ));
+                }
+            }
+            source.shards.push(shard);
+        }
+        Ok(source)
+    }
+
+    fn open_index(dir: &Path, index: &Path) -> Result<Self> {
+        let text = read_text(index)?;
+        let parsed: Value = serde_json::from_str(&text)
+            .or_else(|e| load_err(format!("{} is not valid JSON ({e}); re-download it", index.display())))?;
+        let Some(weight_map) = parsed["weight_map"].as_object() else {
+            return load_err(format!("{} has no \"weight_map\" object; re-download it", index.display()));
+        };
+        let mut files: Vec<&str> = Vec::new();
+        let mut shard_of = HashMap::new();
+        for (name, file) in weight_map {
+            let Some(file) = file.as_str() else {
+                return load_err(format!("{}: weight_map[{name:?}] is not a file name", index.display()));
+            };
+            let at = files.iter().position(|f| *f == file).unwrap_or_else(|| {
+                files.push(file);
+                files.len() - 1
+            });
+            shard_of.insert(name.clone(), at);
+        }
+        let mut shards = Vec::with_capacity(files.len());
+        for file in &files {
+            shards.push(Shard::open(&dir.join(file))?);
+        }
+        for (name, &at) in &shard_of {
+            if shards[at].metadata.info(name).is_none() {
+                return load_err(format!(
+                    "{} lists {name:?} in {} but that file does not hold it; re-download the checkpoint",
+                    index.display(),
+                    files[at]
+                ));
+            }
+        }
+        Ok(Self { shards, shard_of })
+    }
+
+    /// Names of every tensor served, sorted.
+    pub fn tensor_names(&self) -> Vec<&str> {
+        let mut names: Vec<&str> = self.shard_of.keys().map(String::as_str).collect();
+        names.sort_unstable();
+        names
+    }
+
+    /// Shape as stored, without reading the data.
+    pub fn shape(&self, hf_name: &str) -> Option<Vec<usize>> {
+        let shard = &self.shards[*self.shard_of.get(hf_name)?];
+        shard.metadata.info(hf_name).map(|info| info.shape.clone())
+    }
+}
+
+impl WeightSource for SafetensorsSource {
+    fn tensor(&self, hf_name: &str) -> Result<HostTensor> {
+        let Some(&at) = self.shard_of.get(hf_name) else {
+            return load_err(format!("the checkpoint has no tensor {hf_name:?}"));
+        };
+        self.shards[at].tensor(hf_name)
+    }
+
+    fn has(&self, hf_name: &str) -> bool {
+        self.shard_of.contains_key(hf_name)
+    }
+}
+
+impl Shard {
+    fn open(path: &Path) -> Result<Self> {
+        let file = File::open(path).or_else(|e| {
+            load_err(format!("cannot open {} ({e}); check that the checkpoint is fully downloaded", path.display()))
+        })?;
+        // SAFETY: the map is read-only; like every safetensors reader we assume nobody truncates the
+        // checkpoint while it is loaded.
+        let mmap = unsafe { Mmap::map(&file) }
+            .or_else(|e| load_err(format!("cannot memory-map {} ({e})", path.display())))?;
+        let (header_len, metadata) = SafeTensors::read_metadata(&mmap).or_else(|e| {
+            load_err(format!("{} is not a valid safetensors file ({e}); re-download it", path.display()))
+        })?;
+        Ok(Self { path: path.to_path_buf(), mmap, header_len, metadata })
+    }
+
+    fn tensor(&self, name: &str) -> Result<HostTensor> {
+        let info = self.metadata.info(name).ok_or_else(|| {
+            Error::Load(format!("{} does not hold tensor {name:?}", self.path.display()))
+        })?;
+        let bytes = self.bytes(info);
+        let data = match info.dtype {
+            Dtype::F32 => bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect(),
+            Dtype::F16 => bytes.chunks_exact(2).map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
+            Dtype::BF16 => bytes.chunks_exact(2).map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
+            other => {
+                return load_err(format!(
+                    "tensor {name:?} in {} has dtype {other:?}; stepllm reads F32, F16 and BF16 checkpoints \
+                     (quantized safetensors are not supported)",
+                    self.path.display()
+                ))
+            }
+        };
+        Ok(HostTensor { shape: info.shape.clone(), data })
+    }
+
+    fn bytes(&self, info: &TensorInfo) -> &[u8] {
+        // read_metadata checked that every tensor's offsets lie inside the file.
+        let data_start = HEADER_LEN_BYTES + self.header_len;
+        let (begin, end) = info.data_offsets;
+        &self.mmap[data_start + begin..data_start + end]
+    }
+}
+
+/// Read `config.json` of a Hugging Face model directory, adding the EOS ids of `generation_config.json`
+/// (when present) to the model's own: generation stops at any of them, as transformers' `generate` does.
+pub fn load_hf_config(dir: &Path) -> Result<ModelConfig> {
+    let config_path = dir.join("config.json");
+    if !config_path.is_file() {
+        return load_err(format!(
+            "{} has no config.json; point at a Hugging Face model directory (the one holding config.json and \
+             model.safetensors)",
+            dir.display()
+        ));
+    }
+    let mut config = ModelConfig::from_hf_json(&read_text(&config_path)?)
+        .map_err(|e| Error::Load(format!("{}: {e}", config_path.display())))?;
+    let generation_path = dir.join("generation_config.json");
+    if generation_path.is_file() {
+        let text = read_text(&generation_path)?;
+        let generation: Value = serde_json::from_str(&text).or_else(|e| {
+            load_err(format!("{} is not valid JSON ({e}); fix or delete it", generation_path.display()))
+        })?;
+        for id in ids_from(&generation["eos_token_id"]) {
+            if !config.eos_token_ids.contains(&id) {
+                config.eos_token_ids.push(id);
+            }
+        }
+    }
+    Ok(config)
+}
+
+fn read_text(path: &Path) -> Result<String> {
+    std::fs::read_to_string(path).or_else(|e| load_err(format!("cannot read {} ({e})", path.display())))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn fixture(name: &str) -> PathBuf {
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures").join(name)
+    }
+
+    #[test]
+    fn sharded_and_single_checkpoints_open() {
+        let llama = SafetensorsSource::open(&fixture("llama")).unwrap();
+        assert!(llama.shards.len() > 1);
+        assert_eq!(llama.tensor("model.norm.weight").unwrap().shape, vec![64]);
+        let qwen2 = SafetensorsSource::open(&fixture("qwen2")).unwrap();
+        assert!(qwen2.has("model.layers.0.self_attn.q_proj.bias"));
+    }
+
+    #[test]
+    fn generation_config_eos_ids_are_merged() {
+        let config = load_hf_config(&fixture("qwen3")).unwrap();
+        assert_eq!(config.eos_token_ids, vec![2, 0]);
+    }
+
+    #[test]
+    fn missing_directory_names_what_to_do() {
+        let err = SafetensorsSource::open(Path::new("/nonexistent/model")).err().unwrap();
+        assert!(err.to_string().contains("huggingface-cli download"), "{err}");
+        let err = load_hf_config(Path::new("/nonexistent/model")).unwrap_err();
+        assert!(err.to_string().contains("config.json"), "{err}");
+    }
+}

@@ -1,0 +1,144 @@
+//! GenerationSession: the live sequences, keyed by resident slot, with their watermarks and finish states.
+
+use crate::ids::{ResidentRef, SequenceIdentity};
+use crate::request::{FinishReason, SamplingParams, TokenLogprob};
+use crate::state::budget::Lease;
+use crate::step::{BatchResult, TokenDelta};
+use crate::text::stop::TextStream;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Phase {
+    /// Reserved and seated; its prefill must be the stepper's next operation.
+    Seated,
+    /// Prefilled; takes part in decode steps.
+    Running,
+}
+
+/// How a sequence ended, before it is reported.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Ending {
+    pub reason: FinishReason,
+    pub stop_reason: Option<String>,
+    pub error: Option<String>,
+}
+
+pub struct SequenceRow {
+    pub identity: SequenceIdentity,
+    pub sampling: SamplingParams,
+    pub prompt_ids: Vec<u32>,
+    pub output_ids: Vec<u32>,
+    pub lease: Lease,
+    pub extra_key: u64,
+    /// Tokens whose K/V are in the cache.
+    pub computed: usize,
+    pub cached_prompt_tokens: usize,
+    /// Output tokens already reported in deltas.
+    pub watermark: usize,
+    pub unreported_text: String,
+    pub phase: Phase,
+    pub seed: u64,
+    pub stream: TextStream,
+    pub logprobs: Option<Vec<TokenLogprob>>,
+    /// Cancel and error latch first: the next step reports the sequence finished without computing it.
+    pub latched: Option<Ending>,
+    pub ending: Option<Ending>,
+}
+
+impl SequenceRow {
+    pub fn resident(&self) -> ResidentRef {
+        self.identity.resident
+    }
+
+    /// Absolute position of the next token to compute.
+    pub fn next_position(&self) -> usize {
+        self.computed
+    }
+
+    pub fn total_len(&self) -> usize {
+        self.prompt_ids.len() + self.output_ids.len()
+    }
+
+    /// The tokens (prompt then output) whose KV the cache holds or will hold.
+    pub fn all_tokens(&self) -> Vec<u32> {
+        let mut t = self.prompt_ids.clone();
+        t.extend_from_slice(&self.output_ids);
+        t
+    }
+
+    /// Tokens past the watermark, and the text they completed; advances the watermark.
+    pub fn take_delta(&mut self) -> Option<TokenDelta> {
+        if self.watermark == self.output_ids.len() {
+            return None;
+        }
+        let token_ids = self.output_ids[self.watermark..].to_vec();
+        self.watermark = self.output_ids.len();
+        Some(TokenDelta { token_ids, text: std::mem::take(&mut self.unreported_text) })
+    }
+
+    /// The snapshot carried by a finished result.
+    pub fn into_batch_result(mut self) -> BatchResult {
+        let ending = self.ending.take().or(self.latched.take()).expect("only ended rows are reported finished");
+        if ending.reason != FinishReason::Stop {
+            self.stream.flush();
+        }
+        BatchResult {
+            identity: self.identity,
+            prompt_ids: self.prompt_ids,
+            output_ids: self.output_ids,
+            text: self.stream.text().to_string(),
+            finish_reason: ending.reason,
+            stop_reason: ending.stop_reason,
+            logprobs: self.logprobs,
+            cached_prompt_tokens: self.cached_prompt_tokens,
+            error: ending.error,
+        }
+    }
+}
+
+/// Live rows by slot. Dense execution rows are built per step and never reported.
+#[derive(Default)]
+pub struct GenerationSession {
+    rows: Vec<Option<SequenceRow>>,
+}
+
+impl GenerationSession {
+    pub fn with_capacity(slots: usize) -> Self {
+        Self { rows: (0..slots).map(|_| None).collect() }
+    }
+
+    pub fn insert(&mut self, row: SequenceRow) {
+        let slot = row.resident().slot as usize;
+        debug_assert!(self.rows[slot].is_none(), "slot {slot} already holds a row");
+        self.rows[slot] = Some(row);
+    }
+
+    /// Callers validate the ref against the slot pool first; the epoch check here is a second guard.
+    pub fn get(&self, r: ResidentRef) -> Option<&SequenceRow> {
+        self.rows.get(r.slot as usize)?.as_ref().filter(|row| row.resident() == r)
+    }
+
+    pub fn get_mut(&mut self, r: ResidentRef) -> Option<&mut SequenceRow> {
+        self.rows.get_mut(r.slot as usize)?.as_mut().filter(|row| row.resident() == r)
+    }
+
+    pub fn remove(&mut self, r: ResidentRef) -> Option<SequenceRow> {
+        let cell = self.rows.get_mut(r.slot as usize)?;
+        if cell.as_ref().is_some_and(|row| row.resident() == r) {
+            cell.take()
+        } else {
+            None
+        }
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = &SequenceRow> {
+        self.rows.iter().flatten()
+    }
+
+    pub fn len(&self) -> usize {
+        self.iter().count()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}

@@ -1,0 +1,199 @@
+//! Generate-budget reservation: a request is seated only when its whole prompt + max new tokens fit, so a
+//! running sequence can never run out of KV blocks. Blocks for the whole budget are leased up front; cached
+//! prefix blocks are leased as hits and set where prefill starts.
+
+use super::context_cache::{block_hash, ContextCache, ContextCacheConfig};
+use super::kv_pool::KvBlockPool;
+use super::PoolCounts;
+
+/// Blocks leased for one sequence: its full block table and where prefill starts.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Lease {
+    pub blocks: Vec<u32>,
+    pub cached_tokens: usize,
+    /// Chained hashes of the leading full blocks known so far (hits, then published blocks).
+    pub hashes: Vec<u64>,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum Reservation {
+    Granted(Lease),
+    NoCapacity(String),
+    Rejected(String),
+}
+
+#[derive(Debug, Clone)]
+pub struct BlockBudget {
+    pub pool: KvBlockPool,
+    pub cache: ContextCache,
+}
+
+impl BlockBudget {
+    pub fn new(num_blocks: usize, block_size: usize, cache: ContextCacheConfig) -> Self {
+        Self { pool: KvBlockPool::new(num_blocks, block_size), cache: ContextCache::new(cache) }
+    }
+
+    pub fn block_size(&self) -> usize {
+        self.pool.block_size()
+    }
+
+    pub fn capacity_tokens(&self) -> usize {
+        self.pool.total() * self.pool.block_size()
+    }
+
+    pub fn blocks_for(&self, tokens: usize) -> usize {
+        tokens.div_ceil(self.block_size())
+    }
+
+    /// Cached blocks matching the prompt's leading full blocks. At least one prompt token is always left to
+    /// compute, because the first generated token needs the last prompt position's logits.
+    pub fn find_prefix(&self, prompt: &[u32], extra: u64) -> Vec<(u32, u64)> {
+        let bs = self.block_size();
+        let mut hits = Vec::new();
+        let mut parent = 0u64;
+        for chunk in prompt[..prompt.len().saturating_sub(1)].chunks_exact(bs) {
+            let h = block_hash(parent, chunk, extra);
+            match self.cache.find(h, parent, chunk) {
+                Some(block) => hits.push((block, h)),
+                None => break,
+            }
+            parent = h;
+        }
+        hits
+    }
+
+    /// Reserve the whole generate budget, or change nothing.
+    pub fn reserve(&mut self, prompt: &[u32], max_new_tokens: usize, extra: u64) -> Reservation {
+        let total_tokens = prompt.len() + max_new_tokens;
+        let needed = self.blocks_for(total_tokens);
+        if needed > self.pool.total() {
+            return Reservation::Rejected(format!(
+                "prompt ({} tokens) + max_tokens ({max_new_tokens}) needs {needed} KV blocks of {} tokens, but the \
+                 KV cache holds only {} blocks ({} tokens); lower max_tokens, shorten the prompt or raise kv_cache_tokens",
+                prompt.len(),
+                self.block_size(),
+                self.pool.total(),
+                self.capacity_tokens()
+            ));
+        }
+        let hits = self.find_prefix(prompt, extra);
+        let hits_evictable = hits.iter().filter(|(b, _)| self.cache.is_evictable(*b)).count();
+        let available = self.pool.free_count() + self.cache.evictable_count() - hits_evictable;
+        let fresh = needed - hits.len();
+        if fresh > available {
+            return Reservation::NoCapacity(format!(
+                "needs {fresh} free KV blocks, {available} available now; retry when running requests finish"
+            ));
+        }
+        let mut blocks: Vec<u32> = Vec::with_capacity(needed);
+        for &(b, _) in &hits {
+            self.cache.lease_hit(&mut self.pool, b);
+            blocks.push(b);
+        }
+        for _ in 0..fresh {
+            blocks.push(self.take_block().expect("availability was checked above"));
+        }
+        let cached_tokens = hits.len() * self.block_size();
+        Reservation::Granted(Lease { blocks, cached_tokens, hashes: hits.into_iter().map(|(_, h)| h).collect() })
+    }
+
+    fn take_block(&mut self) -> Option<u32> {
+        if let Some(b) = self.pool.take_free() {
+            return Some(b);
+        }
+        self.cache.evict_lru(&mut self.pool);
+        self.pool.take_free()
+    }
+
+    /// Drop a sequence's leases; cached blocks it released become evictable.
+    pub fn release(&mut self, blocks: &[u32]) {
+        for &b in blocks {
+            if self.pool.decref(b) == 0 && self.pool.is_cached(b) {
+                self.cache.on_unreferenced(b);
+            }
+        }
+    }
+
+    /// Publish every full block of `tokens` whose KV is computed (`computed` tokens) and not yet hashed.
+    /// Returns whether any block was newly published.
+    pub fn publish_computed(&mut self, tokens: &[u32], lease: &mut Lease, computed: usize, extra: u64, pinned: bool) -> bool {
+        let bs = self.block_size();
+        let mut published = false;
+        while (lease.hashes.len() + 1) * bs <= computed.min(tokens.len()) {
+            let i = lease.hashes.len();
+            let parent = if i == 0 { 0 } else { lease.hashes[i - 1] };
+            let chunk = &tokens[i * bs..(i + 1) * bs];
+            let h = block_hash(parent, chunk, extra);
+            published |= self.cache.publish(&mut self.pool, lease.blocks[i], h, parent, chunk, pinned);
+            if pinned {
+                self.cache.pin_existing(h);
+            }
+            lease.hashes.push(h);
+        }
+        published
+    }
+
+    pub fn counts(&self) -> PoolCounts {
+        PoolCounts {
+            total_blocks: self.pool.total(),
+            free_blocks: self.pool.free_count(),
+            leased_blocks: self.pool.leased_count(),
+            cached_blocks: self.pool.cached_unreferenced_count(),
+            pinned_blocks: self.cache.pinned_count(),
+            ..PoolCounts::default()
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn budget(blocks: usize) -> BlockBudget {
+        BlockBudget::new(blocks, 4, ContextCacheConfig::default())
+    }
+
+    fn granted(r: Reservation) -> Lease {
+        match r {
+            Reservation::Granted(l) => l,
+            other => panic!("expected a grant, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn never_fitting_request_is_rejected_and_transient_shortage_changes_nothing() {
+        let mut b = budget(4);
+        assert!(matches!(b.reserve(&[1; 10], 10, 0), Reservation::Rejected(_)));
+        let _held = granted(b.reserve(&[1; 8], 4, 0));
+        let before = b.counts();
+        assert!(matches!(b.reserve(&[2; 8], 4, 0), Reservation::NoCapacity(_)));
+        assert_eq!(b.counts(), before);
+    }
+
+    #[test]
+    fn published_prefix_is_hit_by_the_next_request() {
+        let mut b = budget(8);
+        let prompt: Vec<u32> = (0..9).collect();
+        let mut first = granted(b.reserve(&prompt, 2, 0));
+        assert_eq!(first.cached_tokens, 0);
+        assert!(b.publish_computed(&prompt, &mut first, 9, 0, false));
+        b.release(&first.blocks);
+        assert_eq!(b.counts().cached_blocks, 2);
+        let second = granted(b.reserve(&prompt, 2, 0));
+        assert_eq!(second.cached_tokens, 8);
+        assert_eq!(&second.blocks[..2], &first.blocks[..2]);
+        let salted = granted(b.reserve(&prompt, 2, 7));
+        assert_eq!(salted.cached_tokens, 0);
+    }
+
+    #[test]
+    fn whole_prompt_hit_still_leaves_one_token_to_compute() {
+        let mut b = budget(8);
+        let prompt: Vec<u32> = (0..8).collect();
+        let mut first = granted(b.reserve(&prompt, 1, 0));
+        b.publish_computed(&prompt, &mut first, 8, 0, false);
+        b.release(&first.blocks);
+        let second = granted(b.reserve(&prompt, 1, 0));
+        assert_eq!(second.cached_tokens, 4);
+    }
+}

@@ -1,0 +1,459 @@
+//! RuntimeStepper: one typed operation per tick (admit, prefill, decode), each committed as one StepResult.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use crate::error::{protocol, Error, Result};
+use crate::ids::{ResidentRef, SequenceIdentity, StepId};
+use crate::model::{ForwardBatch, ModelRunner, SeqSlice};
+use crate::request::FinishReason;
+use crate::sampling::{resolve_seed, sample_rows, RowContext, Sampled};
+use crate::session::{Ending, GenerationSession, Phase, SequenceRow};
+use crate::state::budget::{BlockBudget, Reservation};
+use crate::state::context_cache::{extra_key, CommitPolicy, ContextCacheConfig};
+use crate::state::slot_pool::SlotPool;
+use crate::state::PoolCounts;
+use crate::step::{
+    AdmissionIntent, AdmissionResult, BatchResult, ImmutableDecodeBatch, ImmutablePrefillBatch,
+    ScheduledSequenceDescriptor, SequenceWork, StepExecution, StepResult,
+};
+use crate::text::stop::TextStream;
+use crate::text::tokenizer::Tokenizer;
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct StepperConfig {
+    pub max_batch_size: usize,
+    pub num_blocks: usize,
+    pub block_size: usize,
+    pub max_model_len: usize,
+    pub cache: ContextCacheConfig,
+}
+
+pub struct RuntimeStepper {
+    runner: Box<dyn ModelRunner>,
+    tokenizer: Arc<Tokenizer>,
+    eos_ids: Vec<u32>,
+    config: StepperConfig,
+    slots: SlotPool,
+    budget: BlockBudget,
+    session: GenerationSession,
+    /// A seated sequence whose prefill must be the next operation.
+    seated: Option<ResidentRef>,
+    next_step_id: StepId,
+    unseeded_draws: u64,
+}
+
+impl RuntimeStepper {
+    pub fn new(mut runner: Box<dyn ModelRunner>, tokenizer: Arc<Tokenizer>, eos_ids: Vec<u32>, config: StepperConfig) -> Result<Self> {
+        runner.allocate_kv_cache(config.num_blocks, config.block_size)?;
+        Ok(Self {
+            runner,
+            tokenizer,
+            eos_ids,
+            slots: SlotPool::new(config.max_batch_size),
+            budget: BlockBudget::new(config.num_blocks, config.block_size, config.cache.clone()),
+            session: GenerationSession::with_capacity(config.max_batch_size),
+            seated: None,
+            next_step_id: 1,
+            unseeded_draws: 0,
+            config,
+        })
+    }
+
+    pub fn config(&self) -> &StepperConfig {
+        &self.config
+    }
+
+    pub fn runner(&self) -> &dyn ModelRunner {
+        self.runner.as_ref()
+    }
+
+    pub fn tokenizer(&self) -> &Arc<Tokenizer> {
+        &self.tokenizer
+    }
+
+    pub fn residents(&self) -> Vec<ResidentRef> {
+        self.slots.live_refs()
+    }
+
+    pub fn seated(&self) -> Option<ResidentRef> {
+        self.seated
+    }
+
+    pub fn counts(&self) -> PoolCounts {
+        PoolCounts {
+            slot_capacity: self.slots.capacity(),
+            free_slots: self.slots.free_count(),
+            live_slots: self.slots.live_count(),
+            ..self.budget.counts()
+        }
+    }
+
+    /// Prompt + output tokens of a live sequence.
+    pub fn sequence_len(&self, r: ResidentRef) -> Result<usize> {
+        self.slots.validate(r)?;
+        Ok(self.row(r)?.total_len())
+    }
+
+    /// Reserve and seat. NO_CAPACITY and REJECTED change nothing.
+    pub fn admit(&mut self, intent: AdmissionIntent) -> Result<AdmissionResult> {
+        self.refuse_if_seated("admit")?;
+        let sampling = &intent.request.sampling;
+        let key = extra_key(intent.request.lora_name.as_deref(), intent.request.cache_salt.as_deref());
+        if self.slots.free_count() == 0 {
+            return Ok(AdmissionResult::no_capacity(format!(
+                "all {} resident slots are live; retry when a sequence finishes",
+                self.slots.capacity()
+            )));
+        }
+        let lease = match self.budget.reserve(&intent.prompt_ids, sampling.max_tokens, key) {
+            Reservation::Granted(lease) => lease,
+            Reservation::NoCapacity(why) => return Ok(AdmissionResult::no_capacity(why)),
+            Reservation::Rejected(why) => return Ok(AdmissionResult::rejected(why)),
+        };
+        let resident = self.slots.acquire().expect("a free slot was checked above");
+        self.unseeded_draws += 1;
+        let seed = resolve_seed(sampling, fresh_entropy(self.unseeded_draws));
+        let row = SequenceRow {
+            identity: SequenceIdentity { request_id: intent.request_id, original_index: intent.original_index, resident },
+            stream: TextStream::new(sampling.stop.clone(), sampling.skip_special_tokens),
+            logprobs: sampling.logprobs.map(|_| Vec::new()),
+            sampling: intent.request.sampling,
+            computed: lease.cached_tokens,
+            cached_prompt_tokens: lease.cached_tokens,
+            prompt_ids: intent.prompt_ids,
+            output_ids: Vec::new(),
+            lease,
+            extra_key: key,
+            watermark: 0,
+            unreported_text: String::new(),
+            phase: Phase::Seated,
+            seed,
+            latched: None,
+            ending: None,
+        };
+        self.session.insert(row);
+        self.seated = Some(resident);
+        Ok(AdmissionResult::admitted(resident))
+    }
+
+    /// Compute the seated sequence's prompt and sample its first token.
+    pub fn prefill(&mut self, batch: &ImmutablePrefillBatch) -> Result<StepResult> {
+        let target = batch.target;
+        self.slots.validate(target)?;
+        match self.seated {
+            Some(seated) if seated == target => {}
+            Some(seated) => {
+                return protocol(format!(
+                    "the seated sequence (slot {}, epoch {}) must be prefilled next, not slot {} epoch {}",
+                    seated.slot, seated.epoch, target.slot, target.epoch
+                ))
+            }
+            None => return protocol("nothing is seated: admit a request before prefilling it"),
+        }
+        self.seated = None;
+        let started = Instant::now();
+        let row = self.row(target)?;
+        let descriptor = ScheduledSequenceDescriptor {
+            identity: row.identity,
+            work: SequenceWork::Context,
+            query_length: row.prompt_ids.len() - row.computed,
+            past_length: row.computed,
+            select_last_token_logits: true,
+        };
+        let outcome = if let Some(ending) = row.latched.clone() {
+            Err(ending)
+        } else {
+            let batch = self.plan_forward(&[target], SequenceWork::Context);
+            self.run_and_sample(&batch, &[target])
+        };
+        let ok = outcome.is_ok();
+        let row = self.row_mut(target)?;
+        row.phase = Phase::Running;
+        match outcome {
+            Ok(mut sampled) => {
+                row.computed = row.prompt_ids.len();
+                self.accept_token(target, sampled.remove(0))?;
+            }
+            Err(ending) => row.ending = Some(ending),
+        }
+        let published = self.publish_prefix(target, CommitPolicy::PrefillOnly)?;
+        let exec = StepExecution { rows: 1, tokens: descriptor.query_length, elapsed_us: elapsed_us(started), cuda_graph: false };
+        self.commit(ok, SequenceWork::Context, vec![descriptor], exec, published)
+    }
+
+    /// One generated token for each listed resident.
+    pub fn decode(&mut self, batch: &ImmutableDecodeBatch) -> Result<StepResult> {
+        self.refuse_if_seated("decode")?;
+        self.validate_decode_batch(&batch.residents)?;
+        let started = Instant::now();
+        let (latched, computing): (Vec<ResidentRef>, Vec<ResidentRef>) =
+            batch.residents.iter().partition(|r| self.session.get(**r).is_some_and(|row| row.latched.is_some()));
+        for r in &latched {
+            let row = self.row_mut(*r)?;
+            row.ending = row.latched.take();
+        }
+        let descriptors: Vec<ScheduledSequenceDescriptor> = computing
+            .iter()
+            .map(|r| {
+                let row = self.session.get(*r).expect("validated");
+                ScheduledSequenceDescriptor {
+                    identity: row.identity,
+                    work: SequenceWork::Decode,
+                    query_length: 1,
+                    past_length: row.computed,
+                    select_last_token_logits: true,
+                }
+            })
+            .collect();
+        let mut ok = true;
+        if !computing.is_empty() {
+            let fb = self.plan_forward(&computing, SequenceWork::Decode);
+            match self.run_and_sample(&fb, &computing) {
+                Ok(sampled) => {
+                    for (r, s) in computing.iter().zip(sampled) {
+                        self.row_mut(*r)?.computed += 1;
+                        self.accept_token(*r, s)?;
+                    }
+                }
+                Err(ending) => {
+                    ok = false;
+                    for r in &computing {
+                        self.row_mut(*r)?.ending = Some(ending.clone());
+                    }
+                }
+            }
+        }
+        let mut published = false;
+        if self.budget.cache.config().commit == CommitPolicy::IncludingGenerated {
+            for r in &computing {
+                published |= self.publish_prefix(*r, CommitPolicy::IncludingGenerated)?;
+            }
+        }
+        let exec = StepExecution { rows: computing.len(), tokens: computing.len(), elapsed_us: elapsed_us(started), cuda_graph: false };
+        self.commit(ok, SequenceWork::Decode, descriptors, exec, published)
+    }
+
+    /// Compute a prompt's full blocks and pin them in the context cache (system prompts). No slot is used;
+    /// the blocks' leases are dropped again, so only the pinned cache records remain.
+    pub fn save_pinned_prefix(&mut self, prompt_ids: &[u32]) -> Result<usize> {
+        self.refuse_if_seated("saving a system prompt")?;
+        let bs = self.config.block_size;
+        let full = prompt_ids.len() / bs * bs;
+        if full == 0 {
+            return crate::error::invalid(format!(
+                "the system prompt has {} tokens, fewer than one KV block ({bs}); nothing can be cached",
+                prompt_ids.len()
+            ));
+        }
+        let tokens = &prompt_ids[..full];
+        let key = extra_key(None, None);
+        let mut lease = match self.budget.reserve(tokens, 0, key) {
+            Reservation::Granted(lease) => lease,
+            Reservation::NoCapacity(why) | Reservation::Rejected(why) => return protocol(format!("cannot cache the system prompt now: {why}")),
+        };
+        let past = lease.cached_tokens;
+        let fb = ForwardBatch {
+            tokens: tokens[past..].to_vec(),
+            positions: (past..full).map(|p| p as u32).collect(),
+            seqs: vec![SeqSlice { start: 0, len: full - past, past_len: past, block_table: lease.blocks.clone() }],
+            logits_for: vec![full - past - 1],
+        };
+        let ran = self.runner.forward(&fb);
+        if ran.is_ok() {
+            self.budget.publish_computed(tokens, &mut lease, full, key, true);
+        }
+        self.budget.release(&lease.blocks);
+        ran.map(|_| full)
+    }
+
+    /// Latch a cancel: the next step that names the sequence reports it finished without computing it.
+    pub fn cancel(&mut self, r: ResidentRef) -> Result<()> {
+        self.slots.validate(r)?;
+        let row = self.row_mut(r)?;
+        if row.latched.is_none() && row.ending.is_none() {
+            row.latched = Some(Ending { reason: FinishReason::Cancelled, stop_reason: None, error: None });
+        }
+        Ok(())
+    }
+
+    /// Release every resident (cancelled) and forget the seat. Idempotent.
+    pub fn abort_all(&mut self) -> Vec<(ResidentRef, BatchResult)> {
+        self.seated = None;
+        let mut out = Vec::new();
+        for r in self.slots.live_refs() {
+            if let Some(mut row) = self.session.remove(r) {
+                if row.ending.is_none() {
+                    row.ending = row.latched.take().or(Some(Ending { reason: FinishReason::Cancelled, stop_reason: None, error: None }));
+                }
+                self.budget.release(&row.lease.blocks);
+                self.slots.release(r).expect("live ref");
+                out.push((r, row.into_batch_result()));
+            }
+        }
+        out
+    }
+
+    fn refuse_if_seated(&self, op: &str) -> Result<()> {
+        match self.seated {
+            Some(s) => protocol(format!(
+                "{op} is not allowed now: the seated sequence (slot {}, epoch {}) must be prefilled first",
+                s.slot, s.epoch
+            )),
+            None => Ok(()),
+        }
+    }
+
+    fn validate_decode_batch(&self, residents: &[ResidentRef]) -> Result<()> {
+        if residents.is_empty() {
+            return protocol("decode batch is empty: pass at least one resident");
+        }
+        let mut seen = std::collections::HashSet::new();
+        for &r in residents {
+            self.slots.validate(r)?;
+            if !seen.insert(r) {
+                return protocol(format!("decode batch names slot {} epoch {} twice", r.slot, r.epoch));
+            }
+            if self.row(r)?.phase != Phase::Running {
+                return protocol(format!("slot {} epoch {} is not prefilled yet", r.slot, r.epoch));
+            }
+        }
+        Ok(())
+    }
+
+    fn row(&self, r: ResidentRef) -> Result<&SequenceRow> {
+        self.session.get(r).ok_or_else(|| Error::Internal(format!("live slot {} has no session row", r.slot)))
+    }
+
+    fn row_mut(&mut self, r: ResidentRef) -> Result<&mut SequenceRow> {
+        self.session.get_mut(r).ok_or_else(|| Error::Internal(format!("live slot {} has no session row", r.slot)))
+    }
+
+    /// The ragged batch: each sequence's uncomputed tokens, their positions and its block table.
+    fn plan_forward(&self, refs: &[ResidentRef], work: SequenceWork) -> ForwardBatch {
+        let mut fb = ForwardBatch::default();
+        for r in refs {
+            let row = self.session.get(*r).expect("validated");
+            let query: &[u32] = match work {
+                SequenceWork::Context => &row.prompt_ids[row.computed..],
+                SequenceWork::Decode => std::slice::from_ref(row.output_ids.last().expect("running rows have a token")),
+            };
+            let start = fb.tokens.len();
+            fb.tokens.extend_from_slice(query);
+            fb.positions.extend((row.computed..row.computed + query.len()).map(|p| p as u32));
+            let needed_blocks = (row.computed + query.len()).div_ceil(self.config.block_size);
+            fb.seqs.push(SeqSlice {
+                start,
+                len: query.len(),
+                past_len: row.computed,
+                block_table: row.lease.blocks[..needed_blocks].to_vec(),
+            });
+            fb.logits_for.push(start + query.len() - 1);
+        }
+        fb
+    }
+
+    /// Forward then sample every row; an Err carries the ending that every participant latches.
+    fn run_and_sample(&mut self, fb: &ForwardBatch, refs: &[ResidentRef]) -> std::result::Result<Vec<Sampled>, Ending> {
+        let mut logits = self.runner.forward(fb).map_err(|e| Ending {
+            reason: FinishReason::Error,
+            stop_reason: None,
+            error: Some(e.to_string()),
+        })?;
+        let vocab = self.runner.config().vocab_size;
+        let ctxs: Vec<RowContext> = refs
+            .iter()
+            .map(|r| {
+                let row = self.session.get(*r).expect("validated");
+                RowContext {
+                    params: &row.sampling,
+                    prompt_ids: &row.prompt_ids,
+                    output_ids: &row.output_ids,
+                    position: row.total_len() as u64,
+                    seed: row.seed,
+                }
+            })
+            .collect();
+        Ok(sample_rows(&mut logits, vocab, &ctxs))
+    }
+
+    /// Append a sampled token and decide whether the sequence ends with it.
+    fn accept_token(&mut self, r: ResidentRef, s: Sampled) -> Result<()> {
+        let max_model_len = self.config.max_model_len;
+        let tokenizer = Arc::clone(&self.tokenizer);
+        let is_eos = self.eos_ids.contains(&s.token_id);
+        let row = self.row_mut(r)?;
+        row.output_ids.push(s.token_id);
+        if let (Some(list), Some(lp)) = (row.logprobs.as_mut(), s.logprob) {
+            list.push(lp);
+        }
+        let step = row.stream.push(&tokenizer, s.token_id)?;
+        row.unreported_text.push_str(&step.text);
+        let end = |reason, stop_reason| Some(Ending { reason, stop_reason, error: None });
+        row.ending = if is_eos && !row.sampling.ignore_eos {
+            end(FinishReason::Eos, None)
+        } else if row.sampling.stop_token_ids.contains(&s.token_id) {
+            end(FinishReason::Stop, Some(s.token_id.to_string()))
+        } else if let Some(stop) = step.stopped {
+            end(FinishReason::Stop, Some(stop))
+        } else if row.output_ids.len() >= row.sampling.max_tokens || row.total_len() >= max_model_len {
+            end(FinishReason::Length, None)
+        } else {
+            None
+        };
+        Ok(())
+    }
+
+    fn publish_prefix(&mut self, r: ResidentRef, policy: CommitPolicy) -> Result<bool> {
+        let row = self.session.get_mut(r).ok_or_else(|| Error::Internal("publish on a missing row".into()))?;
+        if row.ending.as_ref().is_some_and(|e| e.reason == FinishReason::Error) {
+            return Ok(false);
+        }
+        let (tokens, computed) = match policy {
+            CommitPolicy::PrefillOnly => (row.prompt_ids.clone(), row.computed.min(row.prompt_ids.len())),
+            CommitPolicy::IncludingGenerated => (row.all_tokens(), row.computed),
+        };
+        Ok(self.budget.publish_computed(&tokens, &mut row.lease, computed, row.extra_key, false))
+    }
+
+    /// Build the step's record: deltas for survivors, finished results for ended rows (released here).
+    fn commit(
+        &mut self,
+        ok: bool,
+        work: SequenceWork,
+        participants: Vec<ScheduledSequenceDescriptor>,
+        execution: StepExecution,
+        published_prefix: bool,
+    ) -> Result<StepResult> {
+        let mut deltas = Vec::new();
+        let mut finished = Vec::new();
+        let mut touched: Vec<ResidentRef> = participants.iter().map(|p| p.identity.resident).collect();
+        touched.extend(self.session.iter().filter(|row| row.ending.is_some()).map(|row| row.resident()));
+        touched.sort();
+        touched.dedup();
+        for r in touched {
+            let ended = self.row(r)?.ending.is_some();
+            if ended {
+                let row = self.session.remove(r).expect("row exists");
+                self.budget.release(&row.lease.blocks);
+                self.slots.release(r)?;
+                finished.push((r, row.into_batch_result()));
+            } else if let Some(delta) = self.row_mut(r)?.take_delta() {
+                deltas.push((r, delta));
+            }
+        }
+        let step_id = self.next_step_id;
+        self.next_step_id += 1;
+        Ok(StepResult { ok, work, step_id, participants, execution, deltas, finished, published_prefix })
+    }
+}
+
+fn elapsed_us(since: Instant) -> u64 {
+    since.elapsed().as_micros() as u64
+}
+
+/// Entropy for unseeded requests: time and a counter, so two requests never share a stream.
+fn fresh_entropy(counter: u64) -> u64 {
+    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0);
+    nanos ^ counter.wrapping_mul(0x9E37_79B9_7F4A_7C15)
+}

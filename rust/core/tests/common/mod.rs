@@ -1,0 +1,38 @@
+//! Shared helpers for integration tests over the transformers-made fixtures in tests/fixtures.
+#![allow(dead_code)]
+
+use std::path::PathBuf;
+
+use stepllm_core::coordinator::{Config, RuntimeCoordinator};
+use stepllm_core::request::{GenerationRequest, Prompt, SamplingParams};
+
+pub fn fixture_dir(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures").join(name)
+}
+
+pub fn small_config(name: &str, slots: usize, kv_tokens: usize, block_size: usize) -> Config {
+    let mut c = Config::new(fixture_dir(name).to_string_lossy().to_string());
+    c.device = "cpu".into();
+    c.max_batch_size = slots;
+    c.kv_cache_tokens = kv_tokens;
+    c.block_size = block_size;
+    c
+}
+
+pub fn coordinator(name: &str) -> RuntimeCoordinator {
+    RuntimeCoordinator::new(small_config(name, 4, 1024, 4)).expect("fixture model loads")
+}
+
+pub fn greedy_ids(prompt: &[u32], max_tokens: usize) -> GenerationRequest {
+    let mut s = SamplingParams::greedy(max_tokens);
+    s.ignore_eos = true;
+    GenerationRequest::new(Prompt::TokenIds(prompt.to_vec()), s)
+}
+
+/// Rows of a fixture's expected.json: (prompt_ids, greedy_ids).
+pub fn expected_rows(name: &str) -> Vec<(Vec<u32>, Vec<u32>)> {
+    let text = std::fs::read_to_string(fixture_dir(name).join("expected.json")).unwrap();
+    let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let ids = |x: &serde_json::Value| x.as_array().unwrap().iter().map(|t| t.as_u64().unwrap() as u32).collect::<Vec<u32>>();
+    v["rows"].as_array().unwrap().iter().map(|r| (ids(&r["prompt_ids"]), ids(&r["greedy_ids"]))).collect()
+}
