@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex};
 use crate::error::{invalid, protocol, Result};
 use crate::ids::RequestId;
 use crate::intent::IntentBuilder;
-use crate::model::{load_model, Device, LoadedModel};
+use crate::model::{load_model, Device, LoadProgress, LoadedModel};
 use crate::request::{FinishReason, GenerationRequest, GenerationResponse, Prompt};
 use crate::state::context_cache::ContextCacheConfig;
 use crate::state::PoolCounts;
@@ -117,9 +117,14 @@ pub struct RuntimeCoordinator {
 
 impl RuntimeCoordinator {
     pub fn new(config: Config) -> Result<Self> {
+        Self::with_progress(config, None)
+    }
+
+    /// Load with a progress callback, called with (tensors loaded, tensors in all).
+    pub fn with_progress(config: Config, progress: Option<LoadProgress>) -> Result<Self> {
         config.validate()?;
         let device = parse_device(&config.device)?;
-        let loaded = load_model(std::path::Path::new(&config.model), device)?;
+        let loaded = load_model(std::path::Path::new(&config.model), device, progress)?;
         Self::from_loaded(loaded, &config)
     }
 

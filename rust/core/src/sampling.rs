@@ -80,11 +80,19 @@ pub fn sample_row(logits: &mut [f32], ctx: &RowContext) -> Sampled {
 /// Samples `ctxs.len()` rows of width `vocab` laid out back to back; rows run in parallel.
 pub fn sample_rows(logits: &mut [f32], vocab: usize, ctxs: &[RowContext]) -> Vec<Sampled> {
     assert!(vocab > 0, "sample_rows: vocab must be positive");
-    assert_eq!(logits.len(), vocab * ctxs.len(), "sample_rows: logits must hold one row per context");
+    assert_eq!(
+        logits.len(),
+        vocab * ctxs.len(),
+        "sample_rows: logits must hold one row per context"
+    );
     if ctxs.len() == 1 {
         return vec![sample_row(logits, &ctxs[0])];
     }
-    logits.par_chunks_mut(vocab).zip(ctxs.par_iter()).map(|(row, ctx)| sample_row(row, ctx)).collect()
+    logits
+        .par_chunks_mut(vocab)
+        .zip(ctxs.par_iter())
+        .map(|(row, ctx)| sample_row(row, ctx))
+        .collect()
 }
 
 /// Logit bias, repetition penalty, presence and frequency penalties: every step shared by greedy and
@@ -96,7 +104,12 @@ pub fn adjust_logits(logits: &mut [f32], ctx: &RowContext) {
         apply_repetition_penalty(logits, ctx.prompt_ids, ctx.output_ids, p.repetition_penalty);
     }
     if p.presence_penalty != 0.0 || p.frequency_penalty != 0.0 {
-        apply_presence_frequency(logits, ctx.output_ids, p.presence_penalty, p.frequency_penalty);
+        apply_presence_frequency(
+            logits,
+            ctx.output_ids,
+            p.presence_penalty,
+            p.frequency_penalty,
+        );
     }
 }
 
@@ -145,17 +158,29 @@ fn is_greedy(params: &SamplingParams) -> bool {
     params.is_greedy() || params.temperature < MIN_TEMPERATURE
 }
 
-/// Strict `>` keeps the lowest id on ties and never selects a NaN.
+/// The first (lowest-id) maximum; NaN is never selected, and a row with no number at all gives 0.
 fn argmax(logits: &[f32]) -> u32 {
-    let mut best = 0;
-    let mut best_logit = f32::NEG_INFINITY;
-    for (i, &l) in logits.iter().enumerate() {
-        if l > best_logit {
-            best = i;
-            best_logit = l;
+    let max = max_logit(logits);
+    logits.iter().position(|&l| l == max).unwrap_or(0) as u32
+}
+
+/// Largest non-NaN logit (-inf if none). Eight independent lanes let the compiler vectorise what a
+/// single running maximum would serialise, and this runs over the whole vocabulary for every row.
+fn max_logit(logits: &[f32]) -> f32 {
+    const LANES: usize = 8;
+    let mut lanes = [f32::NEG_INFINITY; LANES];
+    let chunks = logits.chunks_exact(LANES);
+    let rest = chunks.remainder();
+    for chunk in chunks {
+        for (lane, &l) in lanes.iter_mut().zip(chunk) {
+            *lane = lane.max(l);
         }
     }
-    best as u32
+    lanes
+        .iter()
+        .chain(rest)
+        .copied()
+        .fold(f32::NEG_INFINITY, f32::max)
 }
 
 /// Temperature, top-k, top-p, min-p, then inverse-CDF with the uniform `u`.
@@ -163,14 +188,18 @@ fn draw(logits: &mut [f32], params: &SamplingParams, u: f64) -> u32 {
     for l in logits.iter_mut() {
         *l /= params.temperature;
     }
-    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let max = max_logit(logits);
     if !max.is_finite() {
         // Nothing to normalise against (all tokens banned, or the model produced +inf).
         return argmax(logits);
     }
     // min-p keeps p >= min_p * p_max, a logit floor. Renormalising after top-k / top-p scales every
     // probability alike, so this floor is the same whichever truncations ran before it.
-    let min_p_floor = if params.min_p > 0.0 { max + params.min_p.ln() } else { f32::NEG_INFINITY };
+    let min_p_floor = if params.min_p > 0.0 {
+        max + params.min_p.ln()
+    } else {
+        f32::NEG_INFINITY
+    };
     let top_k = (params.top_k > 0 && params.top_k < logits.len()).then_some(params.top_k);
     if top_k.is_none() && params.top_p >= 1.0 {
         return draw_over_vocab(logits, max, min_p_floor, u);
@@ -179,7 +208,11 @@ fn draw(logits: &mut [f32], params: &SamplingParams, u: f64) -> u32 {
     // Every stage keeps the top-ranked token, so `kept` is never empty.
     let mut kept = match (top_k, params.top_p < 1.0) {
         (Some(k), false) => top_k_set(all_tokens(logits), max, k),
-        (Some(k), true) => nucleus_set(top_k_set(all_tokens(logits), max, k).into_iter(), max, params.top_p),
+        (Some(k), true) => nucleus_set(
+            top_k_set(all_tokens(logits), max, k).into_iter(),
+            max,
+            params.top_p,
+        ),
         (None, _) => nucleus_set(all_tokens(logits), max, params.top_p),
     };
     kept.retain(|c| c.1 >= min_p_floor);
@@ -213,11 +246,19 @@ fn draw_over_vocab(logits: &mut [f32], max: f32, floor: f32, u: f64) -> u32 {
 
 /// Every non-NaN token of a row, in id order.
 fn all_tokens(logits: &[f32]) -> impl Iterator<Item = Candidate> + Clone + '_ {
-    logits.iter().enumerate().map(|(i, &l)| (i as u32, l)).filter(|c| !c.1.is_nan())
+    logits
+        .iter()
+        .enumerate()
+        .map(|(i, &l)| (i as u32, l))
+        .filter(|c| !c.1.is_nan())
 }
 
 /// The k best tokens (ties: lower id), in no particular order: the draw does not need them sorted.
-fn top_k_set(tokens: impl Iterator<Item = Candidate> + Clone, max: f32, k: usize) -> Vec<Candidate> {
+fn top_k_set(
+    tokens: impl Iterator<Item = Candidate> + Clone,
+    max: f32,
+    k: usize,
+) -> Vec<Candidate> {
     let counts = histogram(tokens.clone(), max, |_| 1.0);
     let (mut kept, mut boundary) = split_at_bucket(tokens, max, boundary_bucket(&counts, k as f64));
     let missing = k.saturating_sub(kept.len());
@@ -234,7 +275,11 @@ fn top_k_set(tokens: impl Iterator<Item = Candidate> + Clone, max: f32, k: usize
 
 /// The shortest top-ranked set whose mass reaches top_p of the total (at least one token), in no
 /// particular order. Only the bucket where the mass crosses top_p is sorted.
-fn nucleus_set(tokens: impl Iterator<Item = Candidate> + Clone, max: f32, top_p: f32) -> Vec<Candidate> {
+fn nucleus_set(
+    tokens: impl Iterator<Item = Candidate> + Clone,
+    max: f32,
+    top_p: f32,
+) -> Vec<Candidate> {
     let masses = histogram(tokens.clone(), max, |l| weight(l, max));
     let needed = top_p as f64 * masses.iter().sum::<f64>();
     let boundary_index = boundary_bucket(&masses, needed);
@@ -252,7 +297,11 @@ fn nucleus_set(tokens: impl Iterator<Item = Candidate> + Clone, max: f32, top_p:
 }
 
 /// Per-bucket sums of `value(logit)`.
-fn histogram(tokens: impl Iterator<Item = Candidate>, max: f32, value: impl Fn(f32) -> f64) -> [f64; BUCKETS] {
+fn histogram(
+    tokens: impl Iterator<Item = Candidate>,
+    max: f32,
+    value: impl Fn(f32) -> f64,
+) -> [f64; BUCKETS] {
     let mut sums = [0.0; BUCKETS];
     for (_, l) in tokens {
         sums[bucket_of(l, max)] += value(l);
@@ -331,12 +380,19 @@ fn by_rank(a: &Candidate, b: &Candidate) -> std::cmp::Ordering {
 /// Chosen token and top-n alternatives, as log_softmax of the raw logits.
 fn token_logprob(raw: &[f32], token_id: u32, n: usize) -> TokenLogprob {
     let lse = log_sum_exp(raw);
-    let top = top_n(raw, n).into_iter().map(|(id, l)| (id, l - lse)).collect();
-    TokenLogprob { token_id, logprob: raw[token_id as usize] - lse, top }
+    let top = top_n(raw, n)
+        .into_iter()
+        .map(|(id, l)| (id, l - lse))
+        .collect();
+    TokenLogprob {
+        token_id,
+        logprob: raw[token_id as usize] - lse,
+        top,
+    }
 }
 
 fn log_sum_exp(x: &[f32]) -> f32 {
-    let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let max = max_logit(x);
     if !max.is_finite() {
         return max;
     }
@@ -384,7 +440,10 @@ mod tests {
 
     #[test]
     fn resolve_seed_prefers_the_request_seed() {
-        let seeded = SamplingParams { seed: Some(42), ..SamplingParams::default() };
+        let seeded = SamplingParams {
+            seed: Some(42),
+            ..SamplingParams::default()
+        };
         assert_eq!(resolve_seed(&seeded, 9), 42);
         let unseeded = SamplingParams::default();
         assert_eq!(resolve_seed(&unseeded, 9), resolve_seed(&unseeded, 9));
@@ -404,7 +463,7 @@ mod tests {
         // Spread over 100 logits, so the last (overflow) bucket and ties both occur.
         let mut logits: Vec<f32> = (0..500).map(|i| ((i * 37 % 500) as f32) * -0.2).collect();
         logits[7] = logits[3];
-        let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let max = max_logit(&logits);
         let mut all: Vec<Candidate> = all_tokens(&logits).collect();
         all.sort_unstable_by(by_rank);
         for k in [1, 5, 100, 300, 499, 500] {
@@ -432,8 +491,18 @@ mod tests {
 
     #[test]
     fn all_banned_or_nan_rows_do_not_panic() {
-        let params = SamplingParams { temperature: 1.0, top_p: 0.5, ..SamplingParams::default() };
-        let ctx = RowContext { params: &params, prompt_ids: &[], output_ids: &[], position: 0, seed: 1 };
+        let params = SamplingParams {
+            temperature: 1.0,
+            top_p: 0.5,
+            ..SamplingParams::default()
+        };
+        let ctx = RowContext {
+            params: &params,
+            prompt_ids: &[],
+            output_ids: &[],
+            position: 0,
+            seed: 1,
+        };
         let mut banned = vec![f32::NEG_INFINITY; 8];
         assert_eq!(sample_row(&mut banned, &ctx).token_id, 0);
         let mut with_nan = vec![f32::NAN, 1.0, f32::NAN, 0.5];

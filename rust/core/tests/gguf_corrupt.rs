@@ -72,7 +72,7 @@ impl Builder {
 }
 
 #[test]
-fn hand_made_file_round_trips() {
+fn gguf_hand_made_file_round_trips() {
     let bytes = Builder::new()
         .kv("general.architecture", 8, &[&4u64.to_le_bytes()[..], b"test"].concat())
         .f32_tensor("x", &[2, 1], 0, &[1.5, -2.0])
@@ -83,7 +83,7 @@ fn hand_made_file_round_trips() {
 }
 
 #[test]
-fn bad_headers_are_named() {
+fn gguf_bad_headers_are_named() {
     assert!(load_error(vec![]).contains("magic"));
     assert!(load_error(b"GGML\x03\0\0\0".to_vec()).contains("not a GGUF file"));
     let mut b = Builder::new();
@@ -100,7 +100,7 @@ fn bad_headers_are_named() {
 }
 
 #[test]
-fn version_2_is_read_like_version_3() {
+fn gguf_version_2_is_read_like_version_3() {
     let mut bytes = fixture_bytes("tiny_llama.gguf");
     bytes[4..8].copy_from_slice(&2u32.to_le_bytes());
     let model = GgufModel::from_bytes(bytes).unwrap();
@@ -109,7 +109,7 @@ fn version_2_is_read_like_version_3() {
 }
 
 #[test]
-fn bad_metadata_is_named() {
+fn gguf_bad_metadata_is_named() {
     let huge_array = [&0u32.to_le_bytes()[..], &u64::MAX.to_le_bytes()].concat();
     let msg = load_error(Builder::new().kv("a", 9, &huge_array).build());
     assert!(msg.contains("claims") && msg.contains("\"a\""), "{msg}");
@@ -134,7 +134,7 @@ fn bad_metadata_is_named() {
 }
 
 #[test]
-fn bad_tensor_directory_is_named() {
+fn gguf_bad_tensor_directory_is_named() {
     let msg = load_error(Builder::new().f32_tensor("x", &[4], 0, &[1.0]).build());
     assert!(msg.contains("\"x\"") && msg.contains("runs past the end"), "{msg}");
     let msg = load_error(Builder::new().f32_tensor("x", &[1], 4, &[1.0, 2.0]).build());
@@ -157,7 +157,7 @@ fn bad_tensor_directory_is_named() {
 }
 
 #[test]
-fn config_and_vocab_errors_are_values() {
+fn gguf_config_and_vocab_errors_are_values() {
     let arch = |name: &str| [&(name.len() as u64).to_le_bytes()[..], name.as_bytes()].concat();
     let model = GgufModel::from_bytes(Builder::new().kv("general.architecture", 8, &arch("gpt9")).build()).unwrap();
     assert!(model.config().unwrap_err().to_string().contains("unsupported GGUF architecture \"gpt9\""));
@@ -173,7 +173,7 @@ fn config_and_vocab_errors_are_values() {
 }
 
 #[test]
-fn every_truncation_is_an_error_not_a_panic() {
+fn gguf_every_truncation_is_an_error_not_a_panic() {
     for name in ["dequant.gguf", "tiny_llama.gguf"] {
         let bytes = fixture_bytes(name);
         let needed = {
@@ -223,7 +223,7 @@ fn exercise(model: &GgufModel) {
 }
 
 #[test]
-fn random_damage_never_panics() {
+fn gguf_random_damage_never_panics() {
     let mut rng = Rng(0x5eed_1234_abcd_0001);
     for name in ["dequant.gguf", "tiny_llama.gguf"] {
         let original = fixture_bytes(name);
@@ -247,7 +247,7 @@ fn random_damage_never_panics() {
 }
 
 #[test]
-fn random_files_are_rejected() {
+fn gguf_random_files_are_rejected() {
     let mut rng = Rng(42);
     for round in 0..3000 {
         let len = rng.below(512);

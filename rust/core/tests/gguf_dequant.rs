@@ -15,7 +15,7 @@ fn expected() -> Value {
 }
 
 #[test]
-fn every_type_dequantizes_exactly_as_gguf_py() {
+fn gguf_every_type_dequantizes_exactly_as_gguf_py() {
     let model = GgufModel::open(fixture("dequant.gguf")).unwrap();
     let tensors = expected()["tensors"].as_object().unwrap().clone();
     assert_eq!(tensors.len(), 9);
@@ -34,7 +34,7 @@ fn every_type_dequantizes_exactly_as_gguf_py() {
 }
 
 #[test]
-fn all_metadata_value_types_parse() {
+fn gguf_all_metadata_value_types_parse() {
     let model = GgufModel::open(fixture("dequant.gguf")).unwrap();
     assert_eq!(model.version(), 3);
     assert_eq!(model.metadata("test.u8"), Some(&GgufValue::U8(200)));
@@ -59,7 +59,7 @@ fn all_metadata_value_types_parse() {
 }
 
 #[test]
-fn value_accessors_convert_numbers() {
+fn gguf_value_accessors_convert_numbers() {
     assert_eq!(GgufValue::I8(-1).as_u64(), None);
     assert_eq!(GgufValue::I8(-1).as_i64(), Some(-1));
     assert_eq!(GgufValue::U64(u64::MAX).as_i64(), None);
@@ -69,7 +69,7 @@ fn value_accessors_convert_numbers() {
 }
 
 #[test]
-fn custom_alignment_places_the_data_section() {
+fn gguf_custom_alignment_places_the_data_section() {
     let model = GgufModel::open(fixture("dequant.gguf")).unwrap();
     assert_eq!(model.alignment(), 64);
     assert_eq!(model.data_offset() % 64, 0);
@@ -82,7 +82,7 @@ fn custom_alignment_places_the_data_section() {
 }
 
 #[test]
-fn default_alignment_is_32() {
+fn gguf_default_alignment_is_32() {
     let model = GgufModel::open(fixture("tiny_llama.gguf")).unwrap();
     assert_eq!(model.metadata("general.alignment"), None);
     assert_eq!(model.alignment(), 32);
@@ -90,7 +90,7 @@ fn default_alignment_is_32() {
 }
 
 #[test]
-fn unsupported_types_open_but_do_not_dequantize() {
+fn gguf_unsupported_types_open_but_do_not_dequantize() {
     // Retag t_q4_0 (18-byte blocks of 32) as IQ4_NL, which has the same block geometry.
     let mut bytes = std::fs::read(fixture("dequant.gguf")).unwrap();
     let name = b"t_q4_0";

@@ -22,7 +22,7 @@ fn floats(v: &Value) -> Vec<f32> {
 }
 
 #[test]
-fn config_comes_from_llama_metadata() {
+fn gguf_config_comes_from_llama_metadata() {
     let (model, want) = open();
     let cfg = model.config().unwrap();
     let c = &want["config"];
@@ -45,7 +45,7 @@ fn config_comes_from_llama_metadata() {
 }
 
 #[test]
-fn vocab_and_chat_template() {
+fn gguf_vocab_and_chat_template() {
     let (model, want) = open();
     let vocab = model.vocab().unwrap();
     let v = &want["vocab"];
@@ -60,7 +60,7 @@ fn vocab_and_chat_template() {
 }
 
 #[test]
-fn q_and_k_come_back_in_hugging_face_order() {
+fn gguf_q_and_k_come_back_in_hugging_face_order() {
     let (model, want) = open();
     for (hf_name, w) in want["weights"].as_object().unwrap() {
         let got = model.tensor(hf_name).unwrap();
@@ -74,7 +74,7 @@ fn q_and_k_come_back_in_hugging_face_order() {
 }
 
 #[test]
-fn other_weights_are_renamed_and_transposed_only() {
+fn gguf_other_weights_are_renamed_and_transposed_only() {
     let (model, _) = open();
     let v = model.tensor("model.layers.1.self_attn.v_proj.weight").unwrap();
     assert_eq!(v, model.dequantize("blk.1.attn_v.weight").unwrap());
@@ -103,7 +103,7 @@ fn other_weights_are_renamed_and_transposed_only() {
 }
 
 #[test]
-fn hugging_face_names_map_to_gguf_names() {
+fn gguf_hugging_face_names_map_to_gguf_names() {
     let cases = [
         ("model.embed_tokens.weight", "token_embd.weight"),
         ("model.norm.weight", "output_norm.weight"),
@@ -129,7 +129,7 @@ fn hugging_face_names_map_to_gguf_names() {
 }
 
 #[test]
-fn unpermute_by_hand() {
+fn gguf_unpermute_by_hand() {
     // One head of 4 rows stored as llama.cpp orders them: [r0, r2, r1, r3] (pairs (0,2) and (1,3) adjacent).
     let stored = HostTensor { shape: vec![4, 2], data: vec![0., 0.5, 2., 2.5, 1., 1.5, 3., 3.5] };
     let hf = unpermute_rotary_rows(stored, 1).unwrap();

@@ -5,10 +5,18 @@
 mod sampling_props {
     use proptest::prelude::*;
     use stepllm_core::request::SamplingParams;
-    use stepllm_core::sampling::{adjust_logits, sample_row, sample_rows, seeded_uniform, RowContext, Sampled};
+    use stepllm_core::sampling::{
+        adjust_logits, sample_row, sample_rows, seeded_uniform, RowContext, Sampled,
+    };
 
     fn row(params: &SamplingParams, seed: u64, position: u64) -> RowContext<'_> {
-        RowContext { params, prompt_ids: &[], output_ids: &[], position, seed }
+        RowContext {
+            params,
+            prompt_ids: &[],
+            output_ids: &[],
+            position,
+            seed,
+        }
     }
 
     fn sample(logits: &[f32], ctx: &RowContext) -> Sampled {
@@ -16,7 +24,10 @@ mod sampling_props {
     }
 
     fn random(temperature: f32) -> SamplingParams {
-        SamplingParams { temperature, ..SamplingParams::default() }
+        SamplingParams {
+            temperature,
+            ..SamplingParams::default()
+        }
     }
 
     /// Reference argmax: first index of the maximum.
@@ -36,7 +47,15 @@ mod sampling_props {
     /// Keeps only `keep` tokens of `probs` and renormalises.
     fn restrict(probs: &[f64], keep: &[usize]) -> Vec<f64> {
         let mass: f64 = keep.iter().map(|&i| probs[i]).sum();
-        (0..probs.len()).map(|i| if keep.contains(&i) { probs[i] / mass } else { 0.0 }).collect()
+        (0..probs.len())
+            .map(|i| {
+                if keep.contains(&i) {
+                    probs[i] / mass
+                } else {
+                    0.0
+                }
+            })
+            .collect()
     }
 
     /// Draw counts over positions 0..n of one seeded sequence, as a real request consumes them.
@@ -57,7 +76,10 @@ mod sampling_props {
         let mut support = 0;
         for (&observed, &p) in counts.iter().zip(expected) {
             if p == 0.0 {
-                assert_eq!(observed, 0, "drew a token with zero probability: {counts:?}");
+                assert_eq!(
+                    observed, 0,
+                    "drew a token with zero probability: {counts:?}"
+                );
                 continue;
             }
             support += 1;
@@ -65,7 +87,10 @@ mod sampling_props {
             chi2 += (observed as f64 - e).powi(2) / e;
         }
         let limit = CRITICAL_P001[support - 1];
-        assert!(chi2 < limit, "chi2 {chi2:.2} >= {limit} for {counts:?} vs {expected:?}");
+        assert!(
+            chi2 < limit,
+            "chi2 {chi2:.2} >= {limit} for {counts:?} vs {expected:?}"
+        );
     }
 
     const LOGITS: [f32; 6] = [1.0, 0.5, 0.0, -0.5, -1.0, 2.0];
@@ -74,38 +99,70 @@ mod sampling_props {
     #[test]
     fn greedy_ties_go_to_the_lowest_id() {
         let params = SamplingParams::greedy(1);
-        assert_eq!(sample(&[1.0, 3.0, 3.0, 0.0], &row(&params, 0, 0)).token_id, 1);
+        assert_eq!(
+            sample(&[1.0, 3.0, 3.0, 0.0], &row(&params, 0, 0)).token_id,
+            1
+        );
     }
 
     #[test]
     fn logit_bias_forces_and_bans_tokens() {
         let logits = [3.0, 1.0, -2.0, 0.5, 2.5];
-        let forced = SamplingParams { logit_bias: vec![(2, 100.0)], ..random(1.0) };
+        let forced = SamplingParams {
+            logit_bias: vec![(2, 100.0)],
+            ..random(1.0)
+        };
         for position in 0..200 {
             assert_eq!(sample(&logits, &row(&forced, 9, position)).token_id, 2);
         }
-        let banned = SamplingParams { logit_bias: vec![(0, -100.0)], ..SamplingParams::greedy(1) };
+        let banned = SamplingParams {
+            logit_bias: vec![(0, -100.0)],
+            ..SamplingParams::greedy(1)
+        };
         assert_eq!(sample(&logits, &row(&banned, 0, 0)).token_id, 4);
     }
 
     #[test]
     fn repetition_penalty_divides_positive_and_multiplies_negative_once_per_token() {
-        let params = SamplingParams { repetition_penalty: 2.0, ..SamplingParams::greedy(1) };
-        let ctx = RowContext { params: &params, prompt_ids: &[0, 0, 2], output_ids: &[0, 9999], position: 5, seed: 0 };
+        let params = SamplingParams {
+            repetition_penalty: 2.0,
+            ..SamplingParams::greedy(1)
+        };
+        let ctx = RowContext {
+            params: &params,
+            prompt_ids: &[0, 0, 2],
+            output_ids: &[0, 9999],
+            position: 5,
+            seed: 0,
+        };
         let mut logits = vec![2.0, 1.5, -1.0, -1.2];
         adjust_logits(&mut logits, &ctx);
         assert_eq!(logits, vec![1.0, 1.5, -2.0, -1.2]);
         // The penalised favourite loses to the runner-up.
         assert_eq!(sample(&[2.0, 1.5, -1.0, -1.2], &ctx).token_id, 1);
         let negatives = [-1.0, -1.5, -3.0];
-        let seen_first = RowContext { prompt_ids: &[], output_ids: &[0], ..ctx };
+        let seen_first = RowContext {
+            prompt_ids: &[],
+            output_ids: &[0],
+            ..ctx
+        };
         assert_eq!(sample(&negatives, &seen_first).token_id, 1);
     }
 
     #[test]
     fn presence_and_frequency_penalties_count_output_tokens_only() {
-        let params = SamplingParams { presence_penalty: 0.5, frequency_penalty: 0.25, ..SamplingParams::greedy(1) };
-        let ctx = RowContext { params: &params, prompt_ids: &[1, 1, 4], output_ids: &[3, 3, 5, 3], position: 7, seed: 0 };
+        let params = SamplingParams {
+            presence_penalty: 0.5,
+            frequency_penalty: 0.25,
+            ..SamplingParams::greedy(1)
+        };
+        let ctx = RowContext {
+            params: &params,
+            prompt_ids: &[1, 1, 4],
+            output_ids: &[3, 3, 5, 3],
+            position: 7,
+            seed: 0,
+        };
         let mut logits = vec![0.0f32; 6];
         adjust_logits(&mut logits, &ctx);
         // token 3: 3 * 0.25 + 0.5; token 5: 0.25 + 0.5; prompt-only tokens untouched.
@@ -120,7 +177,13 @@ mod sampling_props {
             presence_penalty: 1.0,
             ..SamplingParams::greedy(1)
         };
-        let ctx = RowContext { params: &params, prompt_ids: &[], output_ids: &[0], position: 1, seed: 0 };
+        let ctx = RowContext {
+            params: &params,
+            prompt_ids: &[],
+            output_ids: &[0],
+            position: 1,
+            seed: 0,
+        };
         let mut logits = vec![3.0f32];
         adjust_logits(&mut logits, &ctx);
         // (3 + 1) / 2 - 1
@@ -130,19 +193,31 @@ mod sampling_props {
     #[test]
     fn min_p_filters_tokens_below_the_relative_floor() {
         let logits = [0.0, -1.0, -5.0, -10.0];
-        let params = SamplingParams { min_p: 0.1, ..random(1.0) };
+        let params = SamplingParams {
+            min_p: 0.1,
+            ..random(1.0)
+        };
         let counts = histogram(&logits, &params, 4000);
-        assert!(counts[0] > 0 && counts[1] > 0 && counts[2] == 0 && counts[3] == 0, "{counts:?}");
+        assert!(
+            counts[0] > 0 && counts[1] > 0 && counts[2] == 0 && counts[3] == 0,
+            "{counts:?}"
+        );
     }
 
     #[test]
     fn seeded_draws_repeat_exactly() {
-        let params = SamplingParams { top_p: 0.9, top_k: 4, ..random(0.7) };
+        let params = SamplingParams {
+            top_p: 0.9,
+            top_k: 4,
+            ..random(0.7)
+        };
         for position in 0..100 {
             let ctx = row(&params, 77, position);
             assert_eq!(sample(&LOGITS, &ctx), sample(&LOGITS, &ctx));
         }
-        let differs = (0..100).any(|p| sample(&LOGITS, &row(&params, 77, p)) != sample(&LOGITS, &row(&params, 78, p)));
+        let differs = (0..100).any(|p| {
+            sample(&LOGITS, &row(&params, 77, p)) != sample(&LOGITS, &row(&params, 78, p))
+        });
         assert!(differs, "different seeds should give different sequences");
     }
 
@@ -154,7 +229,10 @@ mod sampling_props {
 
     #[test]
     fn top_k_draws_follow_the_renormalised_top_k() {
-        let params = SamplingParams { top_k: 3, ..random(1.3) };
+        let params = SamplingParams {
+            top_k: 3,
+            ..random(1.3)
+        };
         let expected = restrict(&softmax(&LOGITS, 1.3), &[5, 0, 1]);
         assert_matches(&histogram(&LOGITS, &params, DRAWS), &expected);
     }
@@ -164,14 +242,23 @@ mod sampling_props {
         let probs = softmax(&LOGITS, 1.0);
         // Sorted probabilities: 0.538, 0.198, 0.120, ...: the first three reach 0.8, the first two do not.
         assert!(probs[5] + probs[0] < 0.8 && probs[5] + probs[0] + probs[1] >= 0.8);
-        let params = SamplingParams { top_p: 0.8, ..random(1.0) };
-        assert_matches(&histogram(&LOGITS, &params, DRAWS), &restrict(&probs, &[5, 0, 1]));
+        let params = SamplingParams {
+            top_p: 0.8,
+            ..random(1.0)
+        };
+        assert_matches(
+            &histogram(&LOGITS, &params, DRAWS),
+            &restrict(&probs, &[5, 0, 1]),
+        );
     }
 
     #[test]
     fn min_p_draws_follow_the_renormalised_survivors() {
         // Relative to e^2: e^1 (0.37), e^0.5 (0.22) and e^0 (0.135) pass 0.13; e^-0.5 (0.08) does not.
-        let params = SamplingParams { min_p: 0.13, ..random(1.0) };
+        let params = SamplingParams {
+            min_p: 0.13,
+            ..random(1.0)
+        };
         let expected = restrict(&softmax(&LOGITS, 1.0), &[5, 0, 1, 2]);
         assert_matches(&histogram(&LOGITS, &params, DRAWS), &expected);
     }
@@ -194,11 +281,17 @@ mod sampling_props {
         let tail = (-12.0f64).exp();
         let needed = 0.99 * (1.0 + 10_000.0 * tail);
         let tail_kept = ((needed - 1.0) / tail).ceil() as u32;
-        let params = SamplingParams { top_p: 0.99, ..random(1.0) };
+        let params = SamplingParams {
+            top_p: 0.99,
+            ..random(1.0)
+        };
         let mut drew_tail = false;
         for position in 0..2000 {
             let id = sample(&logits, &row(&params, 5, position)).token_id;
-            assert!(id <= tail_kept, "token {id} lies outside the nucleus (last kept {tail_kept})");
+            assert!(
+                id <= tail_kept,
+                "token {id} lies outside the nucleus (last kept {tail_kept})"
+            );
             drew_tail |= id > 0;
         }
         assert!(drew_tail);
@@ -209,15 +302,24 @@ mod sampling_props {
         let logits = [1.0f32, 2.0, 3.0, 0.0];
         let lse = (1f64.exp() + 2f64.exp() + 3f64.exp() + 1.0).ln() as f32;
         // The bias changes the choice but not the reported (raw) logprobs.
-        let params = SamplingParams { logprobs: Some(2), logit_bias: vec![(0, 10.0)], ..SamplingParams::greedy(1) };
+        let params = SamplingParams {
+            logprobs: Some(2),
+            logit_bias: vec![(0, 10.0)],
+            ..SamplingParams::greedy(1)
+        };
         let out = sample(&logits, &row(&params, 0, 3));
         assert_eq!(out.token_id, 0);
         let lp = out.logprob.unwrap();
         assert_eq!(lp.token_id, 0);
         assert!((lp.logprob - (1.0 - lse)).abs() < 1e-6);
         assert_eq!(lp.top.iter().map(|t| t.0).collect::<Vec<_>>(), vec![2, 1]);
-        assert!((lp.top[0].1 - (3.0 - lse)).abs() < 1e-6 && (lp.top[1].1 - (2.0 - lse)).abs() < 1e-6);
-        let without = SamplingParams { logprobs: None, ..params };
+        assert!(
+            (lp.top[0].1 - (3.0 - lse)).abs() < 1e-6 && (lp.top[1].1 - (2.0 - lse)).abs() < 1e-6
+        );
+        let without = SamplingParams {
+            logprobs: None,
+            ..params
+        };
         assert_eq!(sample(&logits, &row(&without, 0, 3)).logprob, None);
     }
 
@@ -246,32 +348,62 @@ mod sampling_props {
     fn row_case() -> impl Strategy<Value = RowCase> {
         (
             prop::collection::vec(-10.0f32..10.0, VOCAB),
-            (0.0f32..2.0, 0usize..8, 0.1f32..=1.0, 0.0f32..0.5, 0.8f32..1.5, any::<bool>()),
+            (
+                0.0f32..2.0,
+                0usize..8,
+                0.1f32..=1.0,
+                0.0f32..0.5,
+                0.8f32..1.5,
+                any::<bool>(),
+            ),
             prop::collection::vec(0u32..VOCAB as u32, 0..6),
             any::<u64>(),
             0u64..10_000,
         )
-            .prop_map(|(logits, (temperature, top_k, top_p, min_p, repetition_penalty, lp), output, seed, position)| {
-                let params = SamplingParams {
-                    temperature,
-                    top_k,
-                    top_p,
-                    min_p,
-                    repetition_penalty,
-                    frequency_penalty: 0.3,
-                    logprobs: lp.then_some(3),
-                    ..SamplingParams::default()
-                };
-                RowCase { logits, params, output, seed, position }
-            })
+            .prop_map(
+                |(
+                    logits,
+                    (temperature, top_k, top_p, min_p, repetition_penalty, lp),
+                    output,
+                    seed,
+                    position,
+                )| {
+                    let params = SamplingParams {
+                        temperature,
+                        top_k,
+                        top_p,
+                        min_p,
+                        repetition_penalty,
+                        frequency_penalty: 0.3,
+                        logprobs: lp.then_some(3),
+                        ..SamplingParams::default()
+                    };
+                    RowCase {
+                        logits,
+                        params,
+                        output,
+                        seed,
+                        position,
+                    }
+                },
+            )
     }
 
     fn ctx_of(case: &RowCase) -> RowContext<'_> {
-        RowContext { params: &case.params, prompt_ids: &[1, 2], output_ids: &case.output, position: case.position, seed: case.seed }
+        RowContext {
+            params: &case.params,
+            prompt_ids: &[1, 2],
+            output_ids: &case.output,
+            position: case.position,
+            seed: case.seed,
+        }
     }
 
     fn batch(cases: &[&RowCase]) -> Vec<Sampled> {
-        let mut logits: Vec<f32> = cases.iter().flat_map(|c| c.logits.iter().copied()).collect();
+        let mut logits: Vec<f32> = cases
+            .iter()
+            .flat_map(|c| c.logits.iter().copied())
+            .collect();
         let ctxs: Vec<RowContext> = cases.iter().map(|c| ctx_of(c)).collect();
         sample_rows(&mut logits, VOCAB, &ctxs)
     }

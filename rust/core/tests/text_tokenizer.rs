@@ -4,9 +4,9 @@
 use std::path::PathBuf;
 
 use serde_json::Value;
+use stepllm_core::request::Message;
 use stepllm_core::text::tokenizer::{BpeVocab, Tokenizer, TOKEN_TYPE_CONTROL, TOKEN_TYPE_NORMAL};
 use stepllm_core::text::ChatTemplate;
-use stepllm_core::request::Message;
 
 fn fixture(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/llama").join(name)
@@ -40,15 +40,7 @@ fn fixture_as_gguf_vocab() -> BpeVocab {
         .iter()
         .map(|pair| format!("{} {}", pair[0].as_str().unwrap(), pair[1].as_str().unwrap()))
         .collect();
-    BpeVocab {
-        tokens,
-        merges,
-        token_types,
-        bos_id: Some(0),
-        eos_id: Some(2),
-        add_bos: false,
-        pre: Some("gpt2".into()),
-    }
+    BpeVocab { tokens, merges, token_types, bos_id: Some(0), eos_id: Some(2), add_bos: false, pre: Some("gpt2".into()) }
 }
 
 const SAMPLES: &[&str] = &[

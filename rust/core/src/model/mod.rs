@@ -61,8 +61,11 @@ pub struct LoadedModel {
     pub source: String,
 }
 
+/// Called with (tensors loaded, tensors in all) while weights load; for progress bars.
+pub type LoadProgress<'a> = &'a (dyn Fn(usize, usize) + Sync);
+
 /// Load a Hugging Face directory or a .gguf file.
-pub fn load_model(path: &std::path::Path, device: Device) -> Result<LoadedModel> {
+pub fn load_model(path: &std::path::Path, device: Device, progress: Option<LoadProgress>) -> Result<LoadedModel> {
     if !path.exists() {
         return crate::error::load_err(format!(
             "model path {} does not exist; pass a Hugging Face model directory or a .gguf file",
@@ -70,13 +73,54 @@ pub fn load_model(path: &std::path::Path, device: Device) -> Result<LoadedModel>
         ));
     }
     if path.is_dir() {
-        loader::hf_dir::load(path, device)
+        loader::hf_dir::load(path, device, progress)
     } else if path.extension().is_some_and(|e| e.eq_ignore_ascii_case("gguf")) {
-        loader::gguf_model::load(path, device)
+        loader::gguf_model::load(path, device, progress)
     } else {
         crate::error::load_err(format!(
             "{} is neither a directory nor a .gguf file; pass a Hugging Face model directory or a .gguf file",
             path.display()
         ))
+    }
+}
+
+/// A WeightSource that reports each tensor handed out, so loading can show progress.
+pub struct ProgressSource<'a> {
+    inner: &'a dyn loader::WeightSource,
+    done: std::sync::atomic::AtomicUsize,
+    total: usize,
+    progress: Option<LoadProgress<'a>>,
+}
+
+impl<'a> ProgressSource<'a> {
+    pub fn new(inner: &'a dyn loader::WeightSource, config: &ModelConfig, progress: Option<LoadProgress<'a>>) -> Self {
+        // embeddings, final norm and (maybe) lm_head, plus per layer: 2 norms, 7 matrices, optional bias/qk-norm
+        let per_layer = 9 + if config.qkv_bias { 3 } else { 0 } + if config.qk_norm { 2 } else { 0 };
+        let total = 2 + usize::from(!config.tie_word_embeddings) + per_layer * config.num_layers;
+        if let Some(p) = progress {
+            p(0, total);
+        }
+        Self { inner, done: 0.into(), total, progress }
+    }
+
+    pub fn finish(&self) {
+        if let Some(p) = self.progress {
+            p(self.total, self.total);
+        }
+    }
+}
+
+impl loader::WeightSource for ProgressSource<'_> {
+    fn tensor(&self, hf_name: &str) -> Result<loader::HostTensor> {
+        let t = self.inner.tensor(hf_name)?;
+        let done = self.done.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
+        if let Some(p) = self.progress {
+            p(done.min(self.total), self.total);
+        }
+        Ok(t)
+    }
+
+    fn has(&self, hf_name: &str) -> bool {
+        self.inner.has(hf_name)
     }
 }

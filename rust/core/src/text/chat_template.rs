@@ -65,10 +65,8 @@ impl ChatTemplate {
             .iter()
             .map(|m| Value::from_iter([("role", m.role.as_str()), ("content", m.content.as_str())]))
             .collect();
-        let mut vars = vec![
-            ("messages", Value::from(messages)),
-            ("add_generation_prompt", Value::from(add_generation_prompt)),
-        ];
+        let mut vars =
+            vec![("messages", Value::from(messages)), ("add_generation_prompt", Value::from(add_generation_prompt))];
         // An absent special token stays undefined, as in transformers (which omits it from the context).
         if let Some(bos) = &self.bos_token {
             vars.push(("bos_token", Value::from(bos.as_str())));
@@ -127,7 +125,10 @@ fn python_tojson(value: Value, kwargs: Kwargs) -> std::result::Result<Value, min
     let written = match indent {
         Some(n) => {
             let spaces = vec![b' '; n];
-            let mut ser = serde_json::Serializer::with_formatter(&mut out, serde_json::ser::PrettyFormatter::with_indent(&spaces));
+            let mut ser = serde_json::Serializer::with_formatter(
+                &mut out,
+                serde_json::ser::PrettyFormatter::with_indent(&spaces),
+            );
             serde::Serialize::serialize(&value, &mut ser)
         }
         None => {
@@ -145,10 +146,18 @@ struct PythonCompactFormatter;
 
 impl serde_json::ser::Formatter for PythonCompactFormatter {
     fn begin_array_value<W: ?Sized + std::io::Write>(&mut self, w: &mut W, first: bool) -> std::io::Result<()> {
-        if first { Ok(()) } else { w.write_all(b", ") }
+        if first {
+            Ok(())
+        } else {
+            w.write_all(b", ")
+        }
     }
     fn begin_object_key<W: ?Sized + std::io::Write>(&mut self, w: &mut W, first: bool) -> std::io::Result<()> {
-        if first { Ok(()) } else { w.write_all(b", ") }
+        if first {
+            Ok(())
+        } else {
+            w.write_all(b", ")
+        }
     }
     fn begin_object_value<W: ?Sized + std::io::Write>(&mut self, w: &mut W) -> std::io::Result<()> {
         w.write_all(b": ")
@@ -157,15 +166,25 @@ impl serde_json::ser::Formatter for PythonCompactFormatter {
 
 const WEEKDAYS: [&str; 7] = ["Sunday", "Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday"];
 const MONTHS: [&str; 12] = [
-    "January", "February", "March", "April", "May", "June", "July", "August", "September", "October", "November",
+    "January",
+    "February",
+    "March",
+    "April",
+    "May",
+    "June",
+    "July",
+    "August",
+    "September",
+    "October",
+    "November",
     "December",
 ];
 
 struct CivilTime {
     year: i64,
-    month: u32, // 1..=12
-    day: u32,   // 1..=31
-    yday: u32,  // 1..=366
+    month: u32,     // 1..=12
+    day: u32,       // 1..=31
+    yday: u32,      // 1..=366
     weekday: usize, // 0 = Sunday
     hour: u32,
     minute: u32,
@@ -218,7 +237,7 @@ pub(crate) fn strftime_utc(format: &str, unix_secs: i64) -> String {
             directive = chars.next();
         }
         let num = |v: u32, width: usize| if unpadded { v.to_string() } else { format!("{v:0width$}") };
-        let hour12 = if t.hour % 12 == 0 { 12 } else { t.hour % 12 };
+        let hour12 = if t.hour.is_multiple_of(12) { 12 } else { t.hour % 12 };
         let piece = match directive {
             Some('Y') => t.year.to_string(),
             Some('y') => num(t.year.rem_euclid(100) as u32, 2),
@@ -274,7 +293,8 @@ mod tests {
 
     #[test]
     fn raise_exception_becomes_invalid_request_with_its_message() {
-        let src = "{% if messages[0]['role'] != 'system' %}{{ raise_exception('System message required') }}{% endif %}ok";
+        let src =
+            "{% if messages[0]['role'] != 'system' %}{{ raise_exception('System message required') }}{% endif %}ok";
         let t = ChatTemplate::new(src, None, None).unwrap();
         let err = t.render(&[user("x")], false).unwrap_err();
         assert!(matches!(&err, Error::InvalidRequest(m) if m.contains("System message required")), "{err}");
@@ -300,7 +320,8 @@ mod tests {
 
     #[test]
     fn tojson_uses_python_separators_without_html_escaping() {
-        let t = ChatTemplate::new("{{ messages[0] | tojson }}|{{ [1, 'a<b'] | tojson(indent=2) }}", None, None).unwrap();
+        let t =
+            ChatTemplate::new("{{ messages[0] | tojson }}|{{ [1, 'a<b'] | tojson(indent=2) }}", None, None).unwrap();
         assert_eq!(
             t.render(&[user("é")], false).unwrap(),
             "{\"content\": \"é\", \"role\": \"user\"}|[\n  1,\n  \"a<b\"\n]"

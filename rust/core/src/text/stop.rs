@@ -142,7 +142,9 @@ impl TextStream {
 }
 
 /// Cuts a finished text at its earliest stop string (the stop is not included). Ties at the same
-/// position go to the shortest stop, the one a stream would have completed first.
+/// position go to the shortest stop, the one a stream would have completed first. Applied to the text
+/// generated up to the token where a `TextStream` stopped, it agrees with that stream: the stream ends at
+/// the first stop to complete, so a longer stop that began earlier but was never finished is not in the text.
 pub fn truncate_at_stop(text: &str, stops: &[String]) -> (String, Option<String>) {
     match earliest_stop(text, stops) {
         Some((at, stop)) => (text[..at].to_string(), Some(stop.to_string())),
@@ -166,9 +168,7 @@ fn longest_stop_prefix_suffix(text: &str, stops: &[String]) -> usize {
         .iter()
         .filter_map(|stop| {
             let longest = (stop.len() - 1).min(text.len());
-            (1..=longest)
-                .rev()
-                .find(|&n| stop.is_char_boundary(n) && text.ends_with(&stop[..n]))
+            (1..=longest).rev().find(|&n| stop.is_char_boundary(n) && text.ends_with(&stop[..n]))
         })
         .max()
         .unwrap_or(0)

@@ -27,7 +27,8 @@ pub const TOKEN_TYPE_BYTE: i32 = 6;
 /// Pre-tokenizer regexes, written as in the models' own Hugging Face tokenizer.json (the `(?i:...)`
 /// form of the contractions is what llama.cpp spells `'[sS]|'[tT]...`).
 const LLAMA3_REGEX: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
-const QWEN2_REGEX: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+const QWEN2_REGEX: &str =
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
 /// A byte-level BPE vocabulary as a GGUF file stores it (`tokenizer.ggml.model = "gpt2"`): tokens are
 /// spelled in the GPT-2 byte-to-unicode alphabet, except added tokens, which are stored as plain text.

@@ -166,22 +166,18 @@ impl Bytes {
 pub struct GgufModel {
     source: String,
     bytes: Bytes,
-    version: u32,
-    metadata: Vec<(String, GgufValue)>,
+    header: Header,
     metadata_index: HashMap<String, usize>,
-    tensors: Vec<GgufTensorInfo>,
     tensor_index: HashMap<String, usize>,
-    alignment: u64,
-    data_offset: u64,
 }
 
 impl std::fmt::Debug for GgufModel {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("GgufModel")
             .field("source", &self.source)
-            .field("version", &self.version)
-            .field("metadata_entries", &self.metadata.len())
-            .field("tensors", &self.tensors.len())
+            .field("version", &self.header.version)
+            .field("metadata_entries", &self.header.metadata.len())
+            .field("tensors", &self.header.tensors.len())
             .finish()
     }
 }
@@ -207,55 +203,45 @@ impl GgufModel {
         let header = parse_header(bytes.as_slice()).map_err(|e| with_context(e, &format!("GGUF file {source}")))?;
         let metadata_index = header.metadata.iter().enumerate().map(|(i, (k, _))| (k.clone(), i)).collect();
         let tensor_index = header.tensors.iter().enumerate().map(|(i, t)| (t.name.clone(), i)).collect();
-        Ok(Self {
-            source,
-            bytes,
-            version: header.version,
-            metadata: header.metadata,
-            metadata_index,
-            tensors: header.tensors,
-            tensor_index,
-            alignment: header.alignment,
-            data_offset: header.data_offset,
-        })
+        Ok(Self { source, bytes, header, metadata_index, tensor_index })
     }
 
     pub fn version(&self) -> u32 {
-        self.version
+        self.header.version
     }
 
     pub fn alignment(&self) -> u64 {
-        self.alignment
+        self.header.alignment
     }
 
     /// Byte offset of the tensor data section in the file.
     pub fn data_offset(&self) -> u64 {
-        self.data_offset
+        self.header.data_offset
     }
 
     pub fn metadata(&self, key: &str) -> Option<&GgufValue> {
-        self.metadata_index.get(key).map(|&i| &self.metadata[i].1)
+        self.metadata_index.get(key).map(|&i| &self.header.metadata[i].1)
     }
 
     /// All metadata entries in file order.
     pub fn metadata_entries(&self) -> &[(String, GgufValue)] {
-        &self.metadata
+        &self.header.metadata
     }
 
     /// The tensor directory in file order.
     pub fn tensor_infos(&self) -> &[GgufTensorInfo] {
-        &self.tensors
+        &self.header.tensors
     }
 
     pub fn tensor_info(&self, gguf_name: &str) -> Option<&GgufTensorInfo> {
-        self.tensor_index.get(gguf_name).map(|&i| &self.tensors[i])
+        self.tensor_index.get(gguf_name).map(|&i| &self.header.tensors[i])
     }
 
     /// The stored bytes of a tensor (quantized blocks as in the file).
     pub fn tensor_data(&self, gguf_name: &str) -> Result<&[u8]> {
         let info = self.require_tensor(gguf_name)?;
         // Bounds were checked at open time.
-        let start = (self.data_offset + info.offset) as usize;
+        let start = (self.header.data_offset + info.offset) as usize;
         Ok(&self.bytes.as_slice()[start..start + info.n_bytes as usize])
     }
 
@@ -525,7 +511,7 @@ pub fn gguf_tensor_name(hf_name: &str) -> Option<String> {
 /// stored row 2i is HF row i and stored row 2i+1 is HF row i + head_dim/2.
 pub fn unpermute_rotary_rows(tensor: HostTensor, n_heads: usize) -> Result<HostTensor> {
     let rows = tensor.shape.first().copied().unwrap_or(0);
-    if n_heads == 0 || rows % n_heads != 0 || (rows / n_heads) % 2 != 0 {
+    if n_heads == 0 || !rows.is_multiple_of(n_heads) || !(rows / n_heads).is_multiple_of(2) {
         return load_err(format!("cannot un-permute {rows} rows over {n_heads} heads: need an even number of rows per head"));
     }
     let cols = tensor.data.len() / rows.max(1);
@@ -766,7 +752,7 @@ fn parse_tensor_info(r: &mut Reader) -> Result<GgufTensorInfo> {
         .iter()
         .try_fold(1u64, |acc, &d| acc.checked_mul(d))
         .ok_or_else(|| Error::Load(format!("tensor {name:?}: element count of dims {dims:?} overflows")))?;
-    if dims.first().is_some_and(|&d0| d0 % ggml_type.block_size() as u64 != 0) {
+    if dims.first().is_some_and(|&d0| !d0.is_multiple_of(ggml_type.block_size() as u64)) {
         return load_err(format!(
             "tensor {name:?}: innermost dimension {} is not a multiple of the {} block size {}",
             dims[0],
@@ -781,7 +767,7 @@ fn parse_tensor_info(r: &mut Reader) -> Result<GgufTensorInfo> {
 }
 
 fn check_tensor_extent(t: &GgufTensorInfo, alignment: u64, data_offset: u64, file_len: u64) -> Result<()> {
-    if t.offset % alignment != 0 {
+    if !t.offset.is_multiple_of(alignment) {
         return load_err(format!("data offset {} is not a multiple of the alignment {alignment}", t.offset));
     }
     let end = data_offset.checked_add(t.offset).and_then(|start| start.checked_add(t.n_bytes));

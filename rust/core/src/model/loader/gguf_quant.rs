@@ -122,7 +122,7 @@ impl GgmlType {
     /// Bytes taken by `n_elements` elements, or None when that is not a whole number of blocks or overflows.
     pub fn bytes_for(self, n_elements: u64) -> Option<u64> {
         let block = self.block_size() as u64;
-        if n_elements % block != 0 {
+        if !n_elements.is_multiple_of(block) {
             return None;
         }
         (n_elements / block).checked_mul(self.type_size() as u64)
@@ -155,7 +155,7 @@ where
     F: Fn(&[u8], &mut [f32]) + Sync,
 {
     let (block_size, type_size) = (ty.block_size(), ty.type_size());
-    if n_elements % block_size != 0 {
+    if !n_elements.is_multiple_of(block_size) {
         return load_err(format!("{n_elements} elements are not a whole number of {} blocks of {block_size}", ty.name()));
     }
     let n_blocks = n_elements / block_size;

@@ -6,11 +6,11 @@ use std::sync::Arc;
 use serde_json::Value;
 
 use crate::error::{load_err, Result};
-use crate::model::{llama, Device, LoadedModel};
+use crate::model::{llama, Device, LoadProgress, LoadedModel, ProgressSource};
 use crate::text::chat_template::ChatTemplate;
 use crate::text::tokenizer::Tokenizer;
 
-pub fn load(dir: &Path, device: Device) -> Result<LoadedModel> {
+pub fn load(dir: &Path, device: Device, progress: Option<LoadProgress>) -> Result<LoadedModel> {
     let config = super::safetensors::load_hf_config(dir)?;
     let tokenizer_path = dir.join("tokenizer.json");
     if !tokenizer_path.exists() {
@@ -19,7 +19,9 @@ pub fn load(dir: &Path, device: Device) -> Result<LoadedModel> {
     let tokenizer = Arc::new(Tokenizer::from_file(&tokenizer_path)?);
     let chat_template = read_chat_template(dir)?;
     let weights = super::safetensors::SafetensorsSource::open(dir)?;
-    let runner = llama::build_runner(&config, &weights, device)?;
+    let counted = ProgressSource::new(&weights, &config, progress);
+    let runner = llama::build_runner(&config, &counted, device)?;
+    counted.finish();
     Ok(LoadedModel { config, runner, tokenizer, chat_template, source: dir.display().to_string() })
 }
 

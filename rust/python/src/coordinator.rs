@@ -1,0 +1,229 @@
+//! RuntimeCoordinator and SteppedRequest. Every call that computes runs through `compute` (GIL released).
+
+use std::sync::{Mutex, MutexGuard};
+
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+use stepllm_core::coordinator::{ModelInfo, RuntimeCoordinator};
+use stepllm_core::state::PoolCounts;
+use stepllm_core::stepped::{materialize, SteppedExecution, SteppedRequest};
+
+use crate::config::PyConfig;
+use crate::errors::{compute, compute_ok};
+use crate::request::{prompt_from_py, PyGenerationRequest, PyGenerationResponse};
+use crate::types::{
+    refs, PyAdmissionIntent, PyAdmissionResult, PyBatchResult, PyImmutableDecodeBatch, PyImmutablePrefillBatch,
+    PyResidentRef, PyStepResult,
+};
+
+pub fn counts_dict<'py>(py: Python<'py>, c: &PoolCounts) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("slot_capacity", c.slot_capacity)?;
+    d.set_item("free_slots", c.free_slots)?;
+    d.set_item("live_slots", c.live_slots)?;
+    d.set_item("total_blocks", c.total_blocks)?;
+    d.set_item("free_blocks", c.free_blocks)?;
+    d.set_item("leased_blocks", c.leased_blocks)?;
+    d.set_item("cached_blocks", c.cached_blocks)?;
+    d.set_item("pinned_blocks", c.pinned_blocks)?;
+    Ok(d)
+}
+
+pub fn info_dict<'py>(py: Python<'py>, i: &ModelInfo) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("source", &i.source)?;
+    d.set_item("architecture", &i.architecture)?;
+    d.set_item("parameters", i.parameters)?;
+    d.set_item("device", &i.device)?;
+    d.set_item("vocab_size", i.vocab_size)?;
+    d.set_item("max_model_len", i.max_model_len)?;
+    d.set_item("kv_cache_tokens", i.kv_cache_tokens)?;
+    d.set_item("block_size", i.block_size)?;
+    d.set_item("max_batch_size", i.max_batch_size)?;
+    d.set_item("eos_token_ids", &i.eos_token_ids)?;
+    Ok(d)
+}
+
+#[pyclass(module = "stepllm._core", name = "RuntimeCoordinator", frozen)]
+pub struct PyRuntimeCoordinator {
+    inner: RuntimeCoordinator,
+}
+
+#[pymethods]
+impl PyRuntimeCoordinator {
+    /// Load the model named by `config` (the default model when None or when `config.model` is None).
+    #[new]
+    #[pyo3(signature = (config=None))]
+    fn new(py: Python<'_>, config: Option<PyConfig>) -> PyResult<Self> {
+        let config = PyConfig::resolve(py, config)?;
+        let inner = compute(py, move || RuntimeCoordinator::new(config))?;
+        Ok(Self { inner })
+    }
+
+    /// Begin a stepped session; the founder's prefill runs now and the first prefill tick reports it.
+    #[pyo3(signature = (request, request_id=1, original_index=0))]
+    fn begin_stepped(&self, py: Python<'_>, request: PyGenerationRequest, request_id: u64, original_index: u32) -> PyResult<PySteppedRequest> {
+        let stepped = compute(py, || self.inner.begin_stepped(request.0, request_id, original_index))?;
+        Ok(PySteppedRequest { inner: Mutex::new(stepped) })
+    }
+
+    /// Run a whole batch to completion; responses in request order.
+    fn dispatch_request(&self, py: Python<'_>, requests: Vec<PyGenerationRequest>) -> PyResult<Vec<PyGenerationResponse>> {
+        let requests = requests.into_iter().map(|r| r.0).collect();
+        let responses = compute(py, || self.inner.dispatch_request(requests))?;
+        Ok(responses.into_iter().map(PyGenerationResponse).collect())
+    }
+
+    fn count_prompt_tokens(&self, py: Python<'_>, request: PyGenerationRequest) -> PyResult<usize> {
+        compute(py, || self.inner.count_prompt_tokens(&request.0))
+    }
+
+    fn capture_decoding_cuda_graph(&self, py: Python<'_>) -> PyResult<bool> {
+        compute(py, || self.inner.capture_decoding_cuda_graph())
+    }
+
+    /// Prefill a system prompt (str, token ids or messages) and pin its full KV blocks; returns cached tokens.
+    fn gen_and_save_system_prompt_kv_cache(&self, py: Python<'_>, prompt: &Bound<'_, PyAny>) -> PyResult<usize> {
+        let prompt = prompt_from_py(prompt)?;
+        compute(py, || self.inner.gen_and_save_system_prompt_kv_cache(prompt))
+    }
+
+    fn supports_stepped_execution(&self) -> bool {
+        self.inner.supports_stepped_execution()
+    }
+
+    fn supports_boundary_scheduling(&self) -> bool {
+        self.inner.supports_boundary_scheduling()
+    }
+
+    fn world_size(&self) -> usize {
+        self.inner.world_size()
+    }
+
+    fn owns_global_rank(&self, rank: usize) -> bool {
+        self.inner.owns_global_rank(rank)
+    }
+
+    /// Pool and cache counts (PoolCounts fields).
+    fn counts<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let c = compute_ok(py, || self.inner.counts())?;
+        counts_dict(py, &c)
+    }
+
+    /// What was loaded (ModelInfo fields).
+    fn info<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        info_dict(py, self.inner.info())
+    }
+
+    fn __repr__(&self) -> String {
+        let i = self.inner.info();
+        format!("RuntimeCoordinator(model={:?}, architecture={:?}, device={:?})", i.source, i.architecture, i.device)
+    }
+}
+
+/// A stepped session. Usable from any Python thread; one operation runs at a time.
+#[pyclass(module = "stepllm._core", name = "SteppedRequest", frozen)]
+pub struct PySteppedRequest {
+    inner: Mutex<SteppedRequest>,
+}
+
+impl PySteppedRequest {
+    fn lock(&self) -> MutexGuard<'_, SteppedRequest> {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+#[pymethods]
+impl PySteppedRequest {
+    /// Stage 1 of admission: validate and tokenize; touches no resident state.
+    fn build_intent(&self, py: Python<'_>, request: PyGenerationRequest, original_index: u32, request_id: u64) -> PyResult<PyAdmissionIntent> {
+        let intent = compute(py, || self.lock().build_intent(request.0, original_index, request_id))?;
+        Ok(PyAdmissionIntent(intent))
+    }
+
+    /// Stages 2 and 3 for an intent: reserve (NO_CAPACITY / REJECTED change nothing) and seat.
+    fn admit_intent(&self, py: Python<'_>, intent: PyAdmissionIntent) -> PyResult<PyAdmissionResult> {
+        let result = compute(py, || self.lock().admit(intent.0))?;
+        Ok(PyAdmissionResult(result))
+    }
+
+    /// build_intent then admit_intent.
+    fn admit(&self, py: Python<'_>, request: PyGenerationRequest, original_index: u32, request_id: u64) -> PyResult<PyAdmissionResult> {
+        let result = compute(py, || {
+            let mut s = self.lock();
+            let intent = s.build_intent(request.0, original_index, request_id)?;
+            s.admit(intent)
+        })?;
+        Ok(PyAdmissionResult(result))
+    }
+
+    fn prefill(&self, py: Python<'_>, batch: PyImmutablePrefillBatch) -> PyResult<PyStepResult> {
+        Ok(PyStepResult(compute(py, || self.lock().prefill(&batch.0))?))
+    }
+
+    fn decode(&self, py: Python<'_>, batch: PyImmutableDecodeBatch) -> PyResult<PyStepResult> {
+        Ok(PyStepResult(compute(py, || self.lock().decode(&batch.0))?))
+    }
+
+    fn residents(&self, py: Python<'_>) -> PyResult<Vec<PyResidentRef>> {
+        Ok(refs(&compute(py, || self.lock().residents())?))
+    }
+
+    /// The caller's response for a finished sequence, trimmed at `stop_strings`.
+    #[pyo3(signature = (result, stop_strings=Vec::new()))]
+    fn materialize(&self, py: Python<'_>, result: PyBatchResult, stop_strings: Vec<String>) -> PyResult<PyGenerationResponse> {
+        Ok(PyGenerationResponse(compute_ok(py, || materialize(&result.0, &stop_strings))?))
+    }
+
+    /// Once, when nothing is resident: the founder's response. Closes the session.
+    fn finish(&self, py: Python<'_>) -> PyResult<PyGenerationResponse> {
+        Ok(PyGenerationResponse(compute(py, || self.lock().finish())?))
+    }
+
+    /// Release everything; idempotent. Closes the session.
+    fn abort(&self, py: Python<'_>) -> PyResult<()> {
+        compute(py, || self.lock().abort())
+    }
+
+    /// Latch a cancel: the next step naming `ref` reports it finished with CANCELLED.
+    fn cancel(&self, py: Python<'_>, r#ref: PyResidentRef) -> PyResult<()> {
+        compute(py, || self.lock().cancel(r#ref.0))
+    }
+
+    fn founder(&self, py: Python<'_>) -> PyResult<PyResidentRef> {
+        Ok(PyResidentRef(compute_ok(py, || self.lock().founder())?))
+    }
+
+    /// Whether finish() or abort() has closed the session.
+    #[getter]
+    fn closed(&self, py: Python<'_>) -> PyResult<bool> {
+        compute_ok(py, || self.lock().is_closed())
+    }
+
+    fn counts<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let c = compute_ok(py, || self.lock().counts())?;
+        counts_dict(py, &c)
+    }
+
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    /// Leaving a `with` block aborts whatever is still open (a finished session is left as it is).
+    fn __exit__(&self, py: Python<'_>, _exc_type: Py<PyAny>, _exc: Py<PyAny>, _tb: Py<PyAny>) -> PyResult<bool> {
+        self.abort(py)?;
+        Ok(false)
+    }
+
+    fn __repr__(&self) -> String {
+        let s = self.lock();
+        let f = s.founder();
+        format!("SteppedRequest(founder=ResidentRef(slot={}, epoch={}), closed={})", f.slot, f.epoch, s.is_closed())
+    }
+}
+
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<PyRuntimeCoordinator>()?;
+    m.add_class::<PySteppedRequest>()?;
+    Ok(())
+}
