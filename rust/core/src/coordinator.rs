@@ -88,9 +88,9 @@ pub fn parse_device(name: &str) -> Result<Device> {
     }
 }
 
-/// Whether a CUDA device can be used. The CUDA backend is not built yet, so "auto" always means the CPU.
+/// Whether a CUDA device can be used: kernels were built in and a driver sees a GPU (never panics).
 pub fn cuda_available() -> bool {
-    false
+    crate::backend::cuda::available()
 }
 
 /// What callers may want to know about the loaded model.
@@ -231,9 +231,9 @@ impl RuntimeCoordinator {
         result
     }
 
-    /// CUDA graphs exist only on the GPU backend; on the CPU there is nothing to capture.
+    /// Capture decode CUDA graphs per batch-size bucket; false where the backend has none (the CPU).
     pub fn capture_decoding_cuda_graph(&self) -> Result<bool> {
-        Ok(false)
+        lock(&self.stepper).capture_decode_graphs()
     }
 
     pub fn supports_stepped_execution(&self) -> bool {

@@ -248,6 +248,13 @@ impl Actor {
                 let _ = run.events.send(EngineEvent::Finished(materialize(&batch, &[])));
             }
         }
+        // Submits that raced the shutdown into the channel end cancelled too, never silently dropped.
+        let late: Vec<Command> = self.commands.try_iter().collect();
+        for cmd in late {
+            if let Command::Submit { intent, events } = cmd {
+                self.waiting.push_back((intent, events));
+            }
+        }
         for (intent, events) in self.waiting.drain(..) {
             let _ = events.send(EngineEvent::Finished(unstarted_response(&intent, FinishReason::Cancelled, None)));
         }

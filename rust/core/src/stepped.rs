@@ -128,6 +128,15 @@ impl SteppedRequest {
         lock(&self.stepper).cancel(r)
     }
 
+    fn ensure_founder_reported(&self) -> Result<()> {
+        match self.founder_state {
+            FounderState::Unreported(_) => {
+                protocol("the founder's first token has not been reported: call prefill(target=founder) first")
+            }
+            _ => Ok(()),
+        }
+    }
+
     fn ensure_open(&self) -> Result<()> {
         if self.closed {
             protocol("this stepped session is closed (finish() or abort() was called); begin a new one")
@@ -157,6 +166,7 @@ impl SteppedExecution for SteppedRequest {
 
     fn admit(&mut self, intent: AdmissionIntent) -> Result<AdmissionResult> {
         self.ensure_open()?;
+        self.ensure_founder_reported()?;
         lock(&self.stepper).admit(intent)
     }
 
@@ -183,19 +193,23 @@ impl SteppedExecution for SteppedRequest {
 
     fn decode(&mut self, batch: &ImmutableDecodeBatch) -> Result<StepResult> {
         self.ensure_open()?;
-        if let FounderState::Unreported(_) = self.founder_state {
-            return protocol("the founder's first token has not been reported: call prefill(target=founder) first");
-        }
+        self.ensure_founder_reported()?;
         let result = lock(&self.stepper).decode(batch)?;
         self.observe(&result);
         Ok(result)
     }
 
+    /// Live refs; an unreported founder counts as resident even when its founding prefill already ended it,
+    /// so the caller can name it in the prefill tick that reports it.
     fn residents(&self) -> Result<Vec<ResidentRef>> {
         if self.closed {
             return Ok(Vec::new());
         }
-        Ok(lock(&self.stepper).residents())
+        let mut live = lock(&self.stepper).residents();
+        if matches!(self.founder_state, FounderState::Unreported(_)) && !live.contains(&self.founder) {
+            live.insert(0, self.founder);
+        }
+        Ok(live)
     }
 
     fn materialize(&self, result: &BatchResult, stop_strings: &[String]) -> GenerationResponse {
@@ -204,7 +218,7 @@ impl SteppedExecution for SteppedRequest {
 
     fn finish(&mut self) -> Result<GenerationResponse> {
         self.ensure_open()?;
-        let live = lock(&self.stepper).residents();
+        let live = self.residents()?;
         if !live.is_empty() {
             return protocol(format!("finish() needs an idle session, but {} sequences are resident; decode them to the end or abort()", live.len()));
         }

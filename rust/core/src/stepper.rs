@@ -7,7 +7,7 @@ use crate::error::{protocol, Error, Result};
 use crate::ids::{ResidentRef, SequenceIdentity, StepId};
 use crate::model::{ForwardBatch, ModelRunner, SeqSlice};
 use crate::request::FinishReason;
-use crate::sampling::{resolve_seed, sample_rows, RowContext, Sampled};
+use crate::sampling::{resolve_seed, RowContext, Sampled};
 use crate::session::{Ending, GenerationSession, Phase, SequenceRow};
 use crate::state::budget::{BlockBudget, Reservation};
 use crate::state::context_cache::{extra_key, CommitPolicy, ContextCacheConfig};
@@ -355,12 +355,6 @@ impl RuntimeStepper {
 
     /// Forward then sample every row; an Err carries the ending that every participant latches.
     fn run_and_sample(&mut self, fb: &ForwardBatch, refs: &[ResidentRef]) -> std::result::Result<Vec<Sampled>, Ending> {
-        let mut logits = self.runner.forward(fb).map_err(|e| Ending {
-            reason: FinishReason::Error,
-            stop_reason: None,
-            error: Some(e.to_string()),
-        })?;
-        let vocab = self.runner.config().vocab_size;
         let ctxs: Vec<RowContext> = refs
             .iter()
             .map(|r| {
@@ -374,7 +368,16 @@ impl RuntimeStepper {
                 }
             })
             .collect();
-        Ok(sample_rows(&mut logits, vocab, &ctxs))
+        self.runner.forward_and_sample(fb, &ctxs).map_err(|e| Ending {
+            reason: FinishReason::Error,
+            stop_reason: None,
+            error: Some(e.to_string()),
+        })
+    }
+
+    /// Capture decode CUDA graphs (GPU backends); false on the CPU.
+    pub fn capture_decode_graphs(&mut self) -> Result<bool> {
+        self.runner.capture_decode_graphs(self.config.max_batch_size)
     }
 
     /// Append a sampled token and decide whether the sequence ends with it.

@@ -64,9 +64,13 @@ fn load_fixture(name: &'static str) -> Fixture {
     Fixture { name, runner, vocab: config.vocab_size, cases }
 }
 
+/// Steps of `(case, token count)` pairs.
+type Schedule = Vec<Vec<(usize, usize)>>;
+type MakeSchedule = fn(&Fixture) -> Schedule;
+
 /// A step feeds `(case, token count)` pairs, all in one ForwardBatch; returns every case's logits, one row
 /// per fed token, in sequence order.
-fn run_schedule(fx: &mut Fixture, steps: &[Vec<(usize, usize)>]) -> Vec<Vec<f32>> {
+fn run_schedule(fx: &mut Fixture, steps: &Schedule) -> Vec<Vec<f32>> {
     fx.runner.allocate_kv_cache(NUM_BLOCKS, BLOCK_SIZE).unwrap();
     let mut fed_so_far = vec![0usize; fx.cases.len()];
     let mut logits = vec![Vec::new(); fx.cases.len()];
@@ -118,11 +122,11 @@ fn argmax(row: &[f32]) -> u32 {
     row.iter().enumerate().fold((0, f32::NEG_INFINITY), |best, (i, &x)| if x > best.1 { (i, x) } else { best }).0 as u32
 }
 
-fn whole_sequence_prefill(fx: &Fixture) -> Vec<Vec<(usize, usize)>> {
+fn whole_sequence_prefill(fx: &Fixture) -> Schedule {
     fx.cases.iter().enumerate().map(|(c, case)| vec![(c, case.fed.len())]).collect()
 }
 
-fn prefill_then_decode(fx: &Fixture) -> Vec<Vec<(usize, usize)>> {
+fn prefill_then_decode(fx: &Fixture) -> Schedule {
     let mut steps = Vec::new();
     for (c, case) in fx.cases.iter().enumerate() {
         steps.push(vec![(c, case.prompt_len)]);
@@ -132,7 +136,7 @@ fn prefill_then_decode(fx: &Fixture) -> Vec<Vec<(usize, usize)>> {
 }
 
 /// Case c starts at step c: its first step prefills its whole prompt while earlier cases decode.
-fn staggered_ragged(fx: &Fixture) -> Vec<Vec<(usize, usize)>> {
+fn staggered_ragged(fx: &Fixture) -> Schedule {
     let mut remaining: Vec<usize> = fx.cases.iter().map(|case| case.fed.len()).collect();
     let mut steps = Vec::new();
     for step in 0.. {
@@ -156,7 +160,7 @@ fn staggered_ragged(fx: &Fixture) -> Vec<Vec<(usize, usize)>> {
 }
 
 /// The prompt in two prefill chunks, then the rest of the sequence as one more multi-token chunk.
-fn chunked_prefill(fx: &Fixture) -> Vec<Vec<(usize, usize)>> {
+fn chunked_prefill(fx: &Fixture) -> Schedule {
     let mut steps = Vec::new();
     for (c, case) in fx.cases.iter().enumerate() {
         let first = (case.prompt_len / 2).max(1);
@@ -171,7 +175,7 @@ fn chunked_prefill(fx: &Fixture) -> Vec<Vec<(usize, usize)>> {
 
 fn check_all_schedules(name: &'static str) {
     let mut fx = load_fixture(name);
-    let schedules: [(&str, fn(&Fixture) -> Vec<Vec<(usize, usize)>>); 4] = [
+    let schedules: [(&str, MakeSchedule); 4] = [
         ("(a) whole-sequence prefill", whole_sequence_prefill),
         ("(b) prefill + paged decode", prefill_then_decode),
         ("(c) one ragged batch, staggered", staggered_ragged),
@@ -199,13 +203,15 @@ fn qwen3_matches_transformers() {
     check_all_schedules("qwen3");
 }
 
+/// Where no GPU is usable, asking for CUDA is an `Error::Device` value, never a panic.
 #[test]
-fn cuda_is_a_clear_error_for_now() {
+fn cuda_without_a_gpu_is_a_device_error() {
     let dir = fixture_dir("llama");
     let config = load_hf_config(&dir).unwrap();
     let weights = SafetensorsSource::open(&dir).unwrap();
-    let err = build_runner(&config, &weights, Device::Cuda(0)).err().expect("no CUDA backend yet");
-    assert!(matches!(err, Error::Device(ref m) if m.contains("CUDA backend not built yet")), "{err}");
+    if let Err(err) = build_runner(&config, &weights, Device::Cuda(0)) {
+        assert!(matches!(err, Error::Device(_)), "{err}");
+    }
 }
 
 #[test]

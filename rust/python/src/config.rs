@@ -11,7 +11,13 @@ use stepllm_core::state::context_cache::{CommitPolicy, ContextCacheConfig, Looku
 use crate::errors::{invalid, to_py};
 use crate::types::py_repr;
 
-#[pyclass(module = "stepllm._core", name = "ContextCacheConfig", frozen, eq, from_py_object)]
+#[pyclass(
+    module = "stepllm._core",
+    name = "ContextCacheConfig",
+    frozen,
+    eq,
+    from_py_object
+)]
 #[derive(Debug, Clone, PartialEq)]
 pub struct PyContextCacheConfig(pub ContextCacheConfig);
 
@@ -34,7 +40,13 @@ impl PyContextCacheConfig {
     /// lookup: "use" | "bypass"; commit: "prefill" | "generated"; max_records 0 = as many as the pool holds.
     #[new]
     #[pyo3(signature = (enabled=None, lookup=None, commit=None, max_records=None))]
-    fn new(py: Python<'_>, enabled: Option<bool>, lookup: Option<&str>, commit: Option<&str>, max_records: Option<usize>) -> PyResult<Self> {
+    fn new(
+        py: Python<'_>,
+        enabled: Option<bool>,
+        lookup: Option<&str>,
+        commit: Option<&str>,
+        max_records: Option<usize>,
+    ) -> PyResult<Self> {
         let mut c = ContextCacheConfig::default();
         if let Some(v) = enabled {
             c.enabled = v;
@@ -43,14 +55,24 @@ impl PyContextCacheConfig {
             c.lookup = match v {
                 "use" => LookupPolicy::Use,
                 "bypass" => LookupPolicy::Bypass,
-                other => return Err(invalid(py, format!("lookup must be \"use\" or \"bypass\", got {other:?}"))),
+                other => {
+                    return Err(invalid(
+                        py,
+                        format!("lookup must be \"use\" or \"bypass\", got {other:?}"),
+                    ))
+                }
             };
         }
         if let Some(v) = commit {
             c.commit = match v {
                 "prefill" => CommitPolicy::PrefillOnly,
                 "generated" => CommitPolicy::IncludingGenerated,
-                other => return Err(invalid(py, format!("commit must be \"prefill\" or \"generated\", got {other:?}"))),
+                other => {
+                    return Err(invalid(
+                        py,
+                        format!("commit must be \"prefill\" or \"generated\", got {other:?}"),
+                    ))
+                }
             };
         }
         if let Some(v) = max_records {
@@ -74,13 +96,22 @@ impl PyContextCacheConfig {
     fn max_records(&self) -> usize {
         self.0.max_records
     }
+    fn __hash__(&self) -> u64 {
+        crate::hashing::py_hash(&self.0)
+    }
     fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
         py_repr!(py, "ContextCacheConfig", "enabled" => self.0.enabled, "lookup" => self.lookup(),
             "commit" => self.commit(), "max_records" => self.0.max_records)
     }
 }
 
-#[pyclass(module = "stepllm._core", name = "ParallelConfig", frozen, eq, from_py_object)]
+#[pyclass(
+    module = "stepllm._core",
+    name = "ParallelConfig",
+    frozen,
+    eq,
+    from_py_object
+)]
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PyParallelConfig(pub ParallelConfig);
 
@@ -106,6 +137,9 @@ impl PyParallelConfig {
     fn devices(&self) -> Vec<usize> {
         self.0.devices.clone()
     }
+    fn __hash__(&self) -> u64 {
+        crate::hashing::py_hash(&self.0)
+    }
     fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
         py_repr!(py, "ParallelConfig", "tensor_parallel_size" => self.0.tensor_parallel_size, "devices" => self.devices())
     }
@@ -125,9 +159,16 @@ impl PyConfig {
     pub fn to_core(&self, py: Python<'_>) -> PyResult<Config> {
         let model = match &self.model {
             Some(m) => m.clone(),
-            None => py.import("stepllm.models")?.getattr("default_model_path")?.call0()?.extract::<String>()?,
+            None => py
+                .import("stepllm.models")?
+                .getattr("default_model_path")?
+                .call0()?
+                .extract::<String>()?,
         };
-        Ok(Config { model, ..self.inner.clone() })
+        Ok(Config {
+            model,
+            ..self.inner.clone()
+        })
     }
 
     pub fn resolve(py: Python<'_>, config: Option<PyConfig>) -> PyResult<Config> {
@@ -138,7 +179,10 @@ impl PyConfig {
     }
 
     fn default_config() -> Self {
-        Self { model: None, inner: Config::new("") }
+        Self {
+            model: None,
+            inner: Config::new(""),
+        }
     }
 }
 
@@ -215,6 +259,9 @@ impl PyConfig {
     #[getter]
     fn parallel(&self) -> PyParallelConfig {
         PyParallelConfig(self.inner.parallel.clone())
+    }
+    fn __hash__(&self) -> u64 {
+        crate::hashing::py_hash(&(self.model.clone(), self.inner.clone()))
     }
     fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
         py_repr!(py, "Config", "model" => self.model(), "device" => self.device(),

@@ -12,8 +12,8 @@ use crate::config::PyConfig;
 use crate::errors::{compute, compute_ok};
 use crate::request::{prompt_from_py, PyGenerationRequest, PyGenerationResponse};
 use crate::types::{
-    refs, PyAdmissionIntent, PyAdmissionResult, PyBatchResult, PyImmutableDecodeBatch, PyImmutablePrefillBatch,
-    PyResidentRef, PyStepResult,
+    refs, PyAdmissionIntent, PyAdmissionResult, PyBatchResult, PyImmutableDecodeBatch,
+    PyImmutablePrefillBatch, PyResidentRef, PyStepResult,
 };
 
 pub fn counts_dict<'py>(py: Python<'py>, c: &PoolCounts) -> PyResult<Bound<'py, PyDict>> {
@@ -53,22 +53,37 @@ pub struct PyRuntimeCoordinator {
 impl PyRuntimeCoordinator {
     /// Load the model named by `config` (the default model when None or when `config.model` is None).
     #[new]
-    #[pyo3(signature = (config=None))]
-    fn new(py: Python<'_>, config: Option<PyConfig>) -> PyResult<Self> {
+    #[pyo3(signature = (config=None, progress=None))]
+    fn new(py: Python<'_>, config: Option<PyConfig>, progress: Option<Py<PyAny>>) -> PyResult<Self> {
         let config = PyConfig::resolve(py, config)?;
-        let inner = compute(py, move || RuntimeCoordinator::new(config))?;
+        let inner = compute(py, move || load_coordinator(config, progress))?;
         Ok(Self { inner })
     }
 
     /// Begin a stepped session; the founder's prefill runs now and the first prefill tick reports it.
     #[pyo3(signature = (request, request_id=1, original_index=0))]
-    fn begin_stepped(&self, py: Python<'_>, request: PyGenerationRequest, request_id: u64, original_index: u32) -> PyResult<PySteppedRequest> {
-        let stepped = compute(py, || self.inner.begin_stepped(request.0, request_id, original_index))?;
-        Ok(PySteppedRequest { inner: Mutex::new(stepped) })
+    fn begin_stepped(
+        &self,
+        py: Python<'_>,
+        request: PyGenerationRequest,
+        request_id: u64,
+        original_index: u32,
+    ) -> PyResult<PySteppedRequest> {
+        let stepped = compute(py, || {
+            self.inner
+                .begin_stepped(request.0, request_id, original_index)
+        })?;
+        Ok(PySteppedRequest {
+            inner: Mutex::new(stepped),
+        })
     }
 
     /// Run a whole batch to completion; responses in request order.
-    fn dispatch_request(&self, py: Python<'_>, requests: Vec<PyGenerationRequest>) -> PyResult<Vec<PyGenerationResponse>> {
+    fn dispatch_request(
+        &self,
+        py: Python<'_>,
+        requests: Vec<PyGenerationRequest>,
+    ) -> PyResult<Vec<PyGenerationResponse>> {
         let requests = requests.into_iter().map(|r| r.0).collect();
         let responses = compute(py, || self.inner.dispatch_request(requests))?;
         Ok(responses.into_iter().map(PyGenerationResponse).collect())
@@ -83,9 +98,15 @@ impl PyRuntimeCoordinator {
     }
 
     /// Prefill a system prompt (str, token ids or messages) and pin its full KV blocks; returns cached tokens.
-    fn gen_and_save_system_prompt_kv_cache(&self, py: Python<'_>, prompt: &Bound<'_, PyAny>) -> PyResult<usize> {
+    fn gen_and_save_system_prompt_kv_cache(
+        &self,
+        py: Python<'_>,
+        prompt: &Bound<'_, PyAny>,
+    ) -> PyResult<usize> {
         let prompt = prompt_from_py(prompt)?;
-        compute(py, || self.inner.gen_and_save_system_prompt_kv_cache(prompt))
+        compute(py, || {
+            self.inner.gen_and_save_system_prompt_kv_cache(prompt)
+        })
     }
 
     fn supports_stepped_execution(&self) -> bool {
@@ -117,7 +138,10 @@ impl PyRuntimeCoordinator {
 
     fn __repr__(&self) -> String {
         let i = self.inner.info();
-        format!("RuntimeCoordinator(model={:?}, architecture={:?}, device={:?})", i.source, i.architecture, i.device)
+        format!(
+            "RuntimeCoordinator(model={:?}, architecture={:?}, device={:?})",
+            i.source, i.architecture, i.device
+        )
     }
 }
 
@@ -136,19 +160,38 @@ impl PySteppedRequest {
 #[pymethods]
 impl PySteppedRequest {
     /// Stage 1 of admission: validate and tokenize; touches no resident state.
-    fn build_intent(&self, py: Python<'_>, request: PyGenerationRequest, original_index: u32, request_id: u64) -> PyResult<PyAdmissionIntent> {
-        let intent = compute(py, || self.lock().build_intent(request.0, original_index, request_id))?;
+    fn build_intent(
+        &self,
+        py: Python<'_>,
+        request: PyGenerationRequest,
+        original_index: u32,
+        request_id: u64,
+    ) -> PyResult<PyAdmissionIntent> {
+        let intent = compute(py, || {
+            self.lock()
+                .build_intent(request.0, original_index, request_id)
+        })?;
         Ok(PyAdmissionIntent(intent))
     }
 
     /// Stages 2 and 3 for an intent: reserve (NO_CAPACITY / REJECTED change nothing) and seat.
-    fn admit_intent(&self, py: Python<'_>, intent: PyAdmissionIntent) -> PyResult<PyAdmissionResult> {
+    fn admit_intent(
+        &self,
+        py: Python<'_>,
+        intent: PyAdmissionIntent,
+    ) -> PyResult<PyAdmissionResult> {
         let result = compute(py, || self.lock().admit(intent.0))?;
         Ok(PyAdmissionResult(result))
     }
 
     /// build_intent then admit_intent.
-    fn admit(&self, py: Python<'_>, request: PyGenerationRequest, original_index: u32, request_id: u64) -> PyResult<PyAdmissionResult> {
+    fn admit(
+        &self,
+        py: Python<'_>,
+        request: PyGenerationRequest,
+        original_index: u32,
+        request_id: u64,
+    ) -> PyResult<PyAdmissionResult> {
         let result = compute(py, || {
             let mut s = self.lock();
             let intent = s.build_intent(request.0, original_index, request_id)?;
@@ -171,8 +214,15 @@ impl PySteppedRequest {
 
     /// The caller's response for a finished sequence, trimmed at `stop_strings`.
     #[pyo3(signature = (result, stop_strings=Vec::new()))]
-    fn materialize(&self, py: Python<'_>, result: PyBatchResult, stop_strings: Vec<String>) -> PyResult<PyGenerationResponse> {
-        Ok(PyGenerationResponse(compute_ok(py, || materialize(&result.0, &stop_strings))?))
+    fn materialize(
+        &self,
+        py: Python<'_>,
+        result: PyBatchResult,
+        stop_strings: Vec<String>,
+    ) -> PyResult<PyGenerationResponse> {
+        Ok(PyGenerationResponse(compute_ok(py, || {
+            materialize(&result.0, &stop_strings)
+        })?))
     }
 
     /// Once, when nothing is resident: the founder's response. Closes the session.
@@ -210,7 +260,13 @@ impl PySteppedRequest {
     }
 
     /// Leaving a `with` block aborts whatever is still open (a finished session is left as it is).
-    fn __exit__(&self, py: Python<'_>, _exc_type: Py<PyAny>, _exc: Py<PyAny>, _tb: Py<PyAny>) -> PyResult<bool> {
+    fn __exit__(
+        &self,
+        py: Python<'_>,
+        _exc_type: Py<PyAny>,
+        _exc: Py<PyAny>,
+        _tb: Py<PyAny>,
+    ) -> PyResult<bool> {
         self.abort(py)?;
         Ok(false)
     }
@@ -218,7 +274,12 @@ impl PySteppedRequest {
     fn __repr__(&self) -> String {
         let s = self.lock();
         let f = s.founder();
-        format!("SteppedRequest(founder=ResidentRef(slot={}, epoch={}), closed={})", f.slot, f.epoch, s.is_closed())
+        format!(
+            "SteppedRequest(founder=ResidentRef(slot={}, epoch={}), closed={})",
+            f.slot,
+            f.epoch,
+            s.is_closed()
+        )
     }
 }
 
@@ -226,4 +287,20 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyRuntimeCoordinator>()?;
     m.add_class::<PySteppedRequest>()?;
     Ok(())
+}
+
+/// Load a coordinator, forwarding the loader's (done, total) progress to an optional Python callable.
+/// A callback that raises is ignored: progress display must never fail a load.
+pub fn load_coordinator(
+    config: stepllm_core::coordinator::Config,
+    progress: Option<Py<PyAny>>,
+) -> stepllm_core::Result<RuntimeCoordinator> {
+    let report = progress.map(|cb| {
+        move |done: usize, total: usize| {
+            Python::attach(|py| {
+                let _ = cb.call1(py, (done, total));
+            })
+        }
+    });
+    RuntimeCoordinator::with_progress(config, report.as_ref().map(|f| f as _))
 }

@@ -13,7 +13,7 @@ use stepllm_core::request::GenerationResponse;
 use stepllm_core::Error;
 
 use crate::config::PyConfig;
-use crate::coordinator::{counts_dict, info_dict};
+use crate::coordinator::{counts_dict, info_dict, load_coordinator};
 use crate::errors::{compute, compute_ok, to_py};
 use crate::request::{PyGenerationRequest, PyGenerationResponse};
 use crate::types::py_repr;
@@ -40,16 +40,23 @@ pub struct PyEngine {
 impl PyEngine {
     /// Load the model and start the engine thread.
     #[new]
-    #[pyo3(signature = (config=None))]
-    fn new(py: Python<'_>, config: Option<PyConfig>) -> PyResult<Self> {
+    #[pyo3(signature = (config=None, progress=None))]
+    fn new(py: Python<'_>, config: Option<PyConfig>, progress: Option<Py<PyAny>>) -> PyResult<Self> {
         let config = PyConfig::resolve(py, config)?;
-        let engine = compute(py, move || RequestEngine::new(stepllm_core::coordinator::RuntimeCoordinator::new(config)?))?;
-        Ok(Self { inner: Arc::new(RwLock::new(Some(engine))) })
+        let engine = compute(py, move || RequestEngine::new(load_coordinator(config, progress)?))?;
+        Ok(Self {
+            inner: Arc::new(RwLock::new(Some(engine))),
+        })
     }
 
     /// Validate and tokenize now (bad input raises here), then queue. Returns the request's stream.
     fn submit(&self, py: Python<'_>, request: PyGenerationRequest) -> PyResult<PyRequestStream> {
-        let handle = compute(py, || read(&self.inner).as_ref().ok_or_else(shut_down)?.submit(request.0))?;
+        let handle = compute(py, || {
+            read(&self.inner)
+                .as_ref()
+                .ok_or_else(shut_down)?
+                .submit(request.0)
+        })?;
         Ok(PyRequestStream {
             request_id: handle.id,
             events: Mutex::new(handle.events),
@@ -71,7 +78,9 @@ impl PyEngine {
     /// Load and resources: waiting, running, counts (PoolCounts fields), prompt_tokens, cached_prompt_tokens,
     /// generated_tokens, finished (per finish reason), steps.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let s = compute(py, || Ok(read(&self.inner).as_ref().ok_or_else(shut_down)?.stats()))?;
+        let s = compute(py, || {
+            Ok(read(&self.inner).as_ref().ok_or_else(shut_down)?.stats())
+        })?;
         let d = PyDict::new(py);
         d.set_item("waiting", s.waiting)?;
         d.set_item("running", s.running)?;
@@ -86,13 +95,26 @@ impl PyEngine {
 
     /// What was loaded (ModelInfo fields).
     fn info<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let info = compute(py, || Ok(read(&self.inner).as_ref().ok_or_else(shut_down)?.coordinator().info().clone()))?;
+        let info = compute(py, || {
+            Ok(read(&self.inner)
+                .as_ref()
+                .ok_or_else(shut_down)?
+                .coordinator()
+                .info()
+                .clone())
+        })?;
         info_dict(py, &info)
     }
 
     /// Pool and cache counts (PoolCounts fields).
     fn counts<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let c = compute(py, || Ok(read(&self.inner).as_ref().ok_or_else(shut_down)?.coordinator().counts()))?;
+        let c = compute(py, || {
+            Ok(read(&self.inner)
+                .as_ref()
+                .ok_or_else(shut_down)?
+                .coordinator()
+                .counts())
+        })?;
         counts_dict(py, &c)
     }
 
@@ -114,13 +136,26 @@ impl PyEngine {
         slf
     }
 
-    fn __exit__(&self, py: Python<'_>, _exc_type: Py<PyAny>, _exc: Py<PyAny>, _tb: Py<PyAny>) -> PyResult<bool> {
+    fn __exit__(
+        &self,
+        py: Python<'_>,
+        _exc_type: Py<PyAny>,
+        _exc: Py<PyAny>,
+        _tb: Py<PyAny>,
+    ) -> PyResult<bool> {
         self.shutdown(py)?;
         Ok(false)
     }
 }
 
-#[pyclass(module = "stepllm._core", name = "StreamChunk", frozen, eq, hash, from_py_object)]
+#[pyclass(
+    module = "stepllm._core",
+    name = "StreamChunk",
+    frozen,
+    eq,
+    hash,
+    from_py_object
+)]
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct PyStreamChunk {
     token_ids: Vec<u32>,
@@ -172,9 +207,16 @@ impl PyRequestStream {
         if self.done.load(Ordering::SeqCst) {
             return Ok(Polled::End);
         }
-        let event = compute_ok(py, || self.events.lock().unwrap_or_else(|p| p.into_inner()).recv_timeout(timeout))?;
+        let event = compute_ok(py, || {
+            self.events
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .recv_timeout(timeout)
+        })?;
         match event {
-            Ok(EngineEvent::Delta { token_ids, text }) => Ok(Polled::Chunk(PyStreamChunk { token_ids, text })),
+            Ok(EngineEvent::Delta { token_ids, text }) => {
+                Ok(Polled::Chunk(PyStreamChunk { token_ids, text }))
+            }
             Ok(EngineEvent::Finished(response)) => {
                 *self.response_slot() = Some(response);
                 self.done.store(true, Ordering::SeqCst);
@@ -185,7 +227,13 @@ impl PyRequestStream {
                 if self.done.swap(true, Ordering::SeqCst) || self.response_slot().is_some() {
                     return Ok(Polled::End);
                 }
-                Err(to_py(py, Error::Internal(format!("the engine stopped before finishing request {}", self.request_id))))
+                Err(to_py(
+                    py,
+                    Error::Internal(format!(
+                        "the engine stopped before finishing request {}",
+                        self.request_id
+                    )),
+                ))
             }
         }
     }
@@ -232,7 +280,12 @@ impl PyRequestStream {
     /// Drain the rest of the stream and return the final response.
     fn wait(&self, py: Python<'_>) -> PyResult<PyGenerationResponse> {
         while self.next_blocking(py)?.is_some() {}
-        self.response().ok_or_else(|| to_py(py, Error::Internal("stream ended without a response".into())))
+        self.response().ok_or_else(|| {
+            to_py(
+                py,
+                Error::Internal("stream ended without a response".into()),
+            )
+        })
     }
 
     fn __iter__(slf: Py<Self>) -> Py<Self> {
@@ -255,11 +308,19 @@ impl PyRequestStream {
 
     /// `async for chunk in stream`: waits run in a worker thread, so the event loop never blocks.
     fn __aiter__(slf: Py<Self>, py: Python<'_>) -> PyResult<Py<PyAny>> {
-        Ok(py.import("stepllm._aio")?.getattr("aiter_stream")?.call1((slf,))?.unbind())
+        Ok(py
+            .import("stepllm._aio")?
+            .getattr("aiter_stream")?
+            .call1((slf,))?
+            .unbind())
     }
 
     fn __repr__(&self) -> String {
-        format!("RequestStream(request_id={}, finished={})", self.request_id, self.finished())
+        format!(
+            "RequestStream(request_id={}, finished={})",
+            self.request_id,
+            self.finished()
+        )
     }
 }
 
@@ -269,4 +330,3 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyRequestStream>()?;
     Ok(())
 }
-

@@ -22,7 +22,12 @@ pub struct Exceptions {
 
 static EXCEPTIONS: PyOnceLock<Exceptions> = PyOnceLock::new();
 
-fn make_type<'py>(py: Python<'py>, name: &str, bases: Vec<Bound<'py, PyAny>>, doc: &str) -> PyResult<Py<PyType>> {
+fn make_type<'py>(
+    py: Python<'py>,
+    name: &str,
+    bases: Vec<Bound<'py, PyAny>>,
+    doc: &str,
+) -> PyResult<Py<PyType>> {
     let namespace = PyDict::new(py);
     namespace.set_item("__module__", "stepllm._core")?;
     namespace.set_item("__doc__", doc)?;
@@ -117,7 +122,10 @@ where
     match outcome {
         Ok(Ok(v)) => Ok(v),
         Ok(Err(e)) => Err(to_py(py, e)),
-        Err(panic) => Err(to_py(py, Error::Internal(format!("panic in the runtime: {panic}")))),
+        Err(panic) => Err(to_py(
+            py,
+            Error::Internal(format!("panic in the runtime: {panic}")),
+        )),
     }
 }
 

@@ -5,6 +5,7 @@ mod config;
 mod coordinator;
 mod engine;
 mod errors;
+mod hashing;
 mod request;
 mod types;
 

@@ -5,12 +5,23 @@ use std::collections::BTreeMap;
 
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PyMapping, PyString};
-use stepllm_core::request::{FinishReason, GenerationRequest, GenerationResponse, Message, Prompt, SamplingParams, TokenLogprob};
+use stepllm_core::request::{
+    FinishReason, GenerationRequest, GenerationResponse, Message, Prompt, SamplingParams,
+    TokenLogprob,
+};
 
 use crate::errors::{invalid, to_py};
 use crate::types::py_repr;
 
-#[pyclass(module = "stepllm._core", name = "FinishReason", frozen, eq, hash, from_py_object, rename_all = "SCREAMING_SNAKE_CASE")]
+#[pyclass(
+    module = "stepllm._core",
+    name = "FinishReason",
+    frozen,
+    eq,
+    hash,
+    from_py_object,
+    rename_all = "SCREAMING_SNAKE_CASE"
+)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum PyFinishReason {
     Eos,
@@ -53,13 +64,20 @@ impl PyFinishReason {
     }
 }
 
-#[pyclass(module = "stepllm._core", name = "TokenLogprob", frozen, eq, from_py_object)]
+#[pyclass(
+    module = "stepllm._core",
+    name = "TokenLogprob",
+    frozen,
+    eq,
+    from_py_object
+)]
 #[derive(Debug, Clone, PartialEq)]
 pub struct PyTokenLogprob(pub TokenLogprob);
 
 impl PyTokenLogprob {
     pub fn list(v: &Option<Vec<TokenLogprob>>) -> Option<Vec<PyTokenLogprob>> {
-        v.as_ref().map(|l| l.iter().cloned().map(PyTokenLogprob).collect())
+        v.as_ref()
+            .map(|l| l.iter().cloned().map(PyTokenLogprob).collect())
     }
 }
 
@@ -68,7 +86,11 @@ impl PyTokenLogprob {
     #[new]
     #[pyo3(signature = (token_id, logprob, top = Vec::new()))]
     fn new(token_id: u32, logprob: f32, top: Vec<(u32, f32)>) -> Self {
-        Self(TokenLogprob { token_id, logprob, top })
+        Self(TokenLogprob {
+            token_id,
+            logprob,
+            top,
+        })
     }
     #[getter]
     fn token_id(&self) -> u32 {
@@ -83,6 +105,9 @@ impl PyTokenLogprob {
     fn top(&self) -> Vec<(u32, f32)> {
         self.0.top.clone()
     }
+    fn __hash__(&self) -> u64 {
+        crate::hashing::py_hash(&self.0)
+    }
     fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
         py_repr!(py, "TokenLogprob", "token_id" => self.0.token_id, "logprob" => self.0.logprob, "top" => self.top())
     }
@@ -90,14 +115,25 @@ impl PyTokenLogprob {
 
 /// A non-negative integer that fits `T`, else InvalidRequestError naming the parameter.
 fn uint<T: TryFrom<i128>>(py: Python<'_>, name: &str, v: i128) -> PyResult<T> {
-    T::try_from(v).map_err(|_| invalid(py, format!("{name} must be a non-negative integer in range, got {v}")))
+    T::try_from(v).map_err(|_| {
+        invalid(
+            py,
+            format!("{name} must be a non-negative integer in range, got {v}"),
+        )
+    })
 }
 
 fn token_ids(py: Python<'_>, name: &str, v: Vec<i128>) -> PyResult<Vec<u32>> {
     v.into_iter().map(|t| uint::<u32>(py, name, t)).collect()
 }
 
-#[pyclass(module = "stepllm._core", name = "SamplingParams", frozen, eq, from_py_object)]
+#[pyclass(
+    module = "stepllm._core",
+    name = "SamplingParams",
+    frozen,
+    eq,
+    from_py_object
+)]
 #[derive(Debug, Clone, PartialEq)]
 pub struct PySamplingParams(pub SamplingParams);
 
@@ -168,7 +204,8 @@ impl PySamplingParams {
             p.stop = if let Ok(one) = s.cast::<PyString>() {
                 vec![one.to_str()?.to_owned()]
             } else {
-                s.extract().map_err(|_| invalid(py, "stop must be a str or a list of str"))?
+                s.extract()
+                    .map_err(|_| invalid(py, "stop must be a str or a list of str"))?
             };
         }
         if let Some(v) = stop_token_ids {
@@ -254,6 +291,9 @@ impl PySamplingParams {
     fn is_greedy(&self) -> bool {
         self.0.is_greedy()
     }
+    fn __hash__(&self) -> u64 {
+        crate::hashing::py_hash(&self.0)
+    }
     fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
         py_repr!(py, "SamplingParams",
             "max_tokens" => self.0.max_tokens, "temperature" => self.0.temperature, "top_k" => self.0.top_k,
@@ -265,7 +305,8 @@ impl PySamplingParams {
     }
 }
 
-const PROMPT_KINDS: &str = "prompt must be a str, a list of token ids, or a list of {\"role\", \"content\"} messages";
+const PROMPT_KINDS: &str =
+    "prompt must be a str, a list of token ids, or a list of {\"role\", \"content\"} messages";
 
 /// str -> text; list of ints -> token ids; list of {role, content} mappings -> messages.
 pub fn prompt_from_py(obj: &Bound<'_, PyAny>) -> PyResult<Prompt> {
@@ -291,9 +332,14 @@ pub fn prompt_from_py(obj: &Bound<'_, PyAny>) -> PyResult<Prompt> {
                     m.get_item(key)
                         .ok()
                         .and_then(|v| v.extract::<String>().ok())
-                        .ok_or_else(|| invalid(py, format!("every message needs a string {key:?}; got {m}")))
+                        .ok_or_else(|| {
+                            invalid(py, format!("every message needs a string {key:?}; got {m}"))
+                        })
                 };
-                Ok(Message { role: field("role")?, content: field("content")? })
+                Ok(Message {
+                    role: field("role")?,
+                    content: field("content")?,
+                })
             })
             .collect::<PyResult<Vec<_>>>()?;
         return Ok(Prompt::Messages(messages));
@@ -301,7 +347,9 @@ pub fn prompt_from_py(obj: &Bound<'_, PyAny>) -> PyResult<Prompt> {
     let ids = items
         .iter()
         .map(|t| match t.extract::<i128>() {
-            Ok(v) if !t.is_instance_of::<pyo3::types::PyBool>() => uint::<u32>(py, "prompt token", v),
+            Ok(v) if !t.is_instance_of::<pyo3::types::PyBool>() => {
+                uint::<u32>(py, "prompt token", v)
+            }
             _ => Err(invalid(py, PROMPT_KINDS)),
         })
         .collect::<PyResult<Vec<u32>>>()?;
@@ -325,7 +373,13 @@ pub fn prompt_to_py<'py>(py: Python<'py>, prompt: &Prompt) -> PyResult<Bound<'py
     })
 }
 
-#[pyclass(module = "stepllm._core", name = "GenerationRequest", frozen, eq, from_py_object)]
+#[pyclass(
+    module = "stepllm._core",
+    name = "GenerationRequest",
+    frozen,
+    eq,
+    from_py_object
+)]
 #[derive(Debug, Clone, PartialEq)]
 pub struct PyGenerationRequest(pub GenerationRequest);
 
@@ -342,7 +396,13 @@ impl PyGenerationRequest {
     ) -> PyResult<Self> {
         let prompt = prompt_from_py(prompt)?;
         let sampling = sampling.map(|s| s.0).unwrap_or_default();
-        Ok(Self(GenerationRequest { prompt, sampling, add_special_tokens, cache_salt, lora_name }))
+        Ok(Self(GenerationRequest {
+            prompt,
+            sampling,
+            add_special_tokens,
+            cache_salt,
+            lora_name,
+        }))
     }
     #[getter]
     fn prompt<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
@@ -364,6 +424,9 @@ impl PyGenerationRequest {
     fn lora_name(&self) -> Option<String> {
         self.0.lora_name.clone()
     }
+    fn __hash__(&self) -> u64 {
+        crate::hashing::py_hash(&self.0)
+    }
     fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
         py_repr!(py, "GenerationRequest", "prompt" => self.prompt(py)?, "sampling" => self.sampling(),
             "add_special_tokens" => self.0.add_special_tokens, "cache_salt" => self.cache_salt(),
@@ -371,7 +434,13 @@ impl PyGenerationRequest {
     }
 }
 
-#[pyclass(module = "stepllm._core", name = "GenerationResponse", frozen, eq, from_py_object)]
+#[pyclass(
+    module = "stepllm._core",
+    name = "GenerationResponse",
+    frozen,
+    eq,
+    from_py_object
+)]
 #[derive(Debug, Clone, PartialEq)]
 pub struct PyGenerationResponse(pub GenerationResponse);
 
@@ -445,6 +514,9 @@ impl PyGenerationResponse {
     #[getter]
     fn error(&self) -> Option<String> {
         self.0.error.clone()
+    }
+    fn __hash__(&self) -> u64 {
+        crate::hashing::py_hash(&self.0)
     }
     fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
         py_repr!(py, "GenerationResponse",

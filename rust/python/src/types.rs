@@ -5,8 +5,9 @@ use pyo3::prelude::*;
 use pyo3::IntoPyObjectExt;
 use stepllm_core::ids::{ResidentRef, SequenceIdentity};
 use stepllm_core::step::{
-    AdmissionIntent, AdmissionResult, AdmissionStatus, BatchResult, ImmutableDecodeBatch, ImmutablePrefillBatch,
-    ScheduledSequenceDescriptor, SequenceWork, StepExecution, StepResult, TokenDelta,
+    AdmissionIntent, AdmissionResult, AdmissionStatus, BatchResult, ImmutableDecodeBatch,
+    ImmutablePrefillBatch, ScheduledSequenceDescriptor, SequenceWork, StepExecution, StepResult,
+    TokenDelta,
 };
 
 use crate::request::{PyFinishReason, PyGenerationRequest, PyTokenLogprob};
@@ -25,7 +26,15 @@ macro_rules! py_repr {
 }
 pub(crate) use py_repr;
 
-#[pyclass(module = "stepllm._core", name = "ResidentRef", frozen, eq, ord, hash, from_py_object)]
+#[pyclass(
+    module = "stepllm._core",
+    name = "ResidentRef",
+    frozen,
+    eq,
+    ord,
+    hash,
+    from_py_object
+)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct PyResidentRef(pub ResidentRef);
 
@@ -52,7 +61,14 @@ pub fn refs(v: &[ResidentRef]) -> Vec<PyResidentRef> {
     v.iter().copied().map(PyResidentRef).collect()
 }
 
-#[pyclass(module = "stepllm._core", name = "SequenceIdentity", frozen, eq, hash, from_py_object)]
+#[pyclass(
+    module = "stepllm._core",
+    name = "SequenceIdentity",
+    frozen,
+    eq,
+    hash,
+    from_py_object
+)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct PySequenceIdentity(pub SequenceIdentity);
 
@@ -60,7 +76,11 @@ pub struct PySequenceIdentity(pub SequenceIdentity);
 impl PySequenceIdentity {
     #[new]
     fn new(request_id: u64, original_index: u32, resident: PyResidentRef) -> Self {
-        Self(SequenceIdentity { request_id, original_index, resident: resident.0 })
+        Self(SequenceIdentity {
+            request_id,
+            original_index,
+            resident: resident.0,
+        })
     }
     #[getter]
     fn request_id(&self) -> u64 {
@@ -80,7 +100,15 @@ impl PySequenceIdentity {
     }
 }
 
-#[pyclass(module = "stepllm._core", name = "SequenceWork", frozen, eq, hash, from_py_object, rename_all = "SCREAMING_SNAKE_CASE")]
+#[pyclass(
+    module = "stepllm._core",
+    name = "SequenceWork",
+    frozen,
+    eq,
+    hash,
+    from_py_object,
+    rename_all = "SCREAMING_SNAKE_CASE"
+)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum PySequenceWork {
     Context,
@@ -96,7 +124,14 @@ impl From<SequenceWork> for PySequenceWork {
     }
 }
 
-#[pyclass(module = "stepllm._core", name = "ScheduledSequenceDescriptor", frozen, eq, hash, from_py_object)]
+#[pyclass(
+    module = "stepllm._core",
+    name = "ScheduledSequenceDescriptor",
+    frozen,
+    eq,
+    hash,
+    from_py_object
+)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct PyScheduledSequenceDescriptor(pub ScheduledSequenceDescriptor);
 
@@ -129,7 +164,14 @@ impl PyScheduledSequenceDescriptor {
     }
 }
 
-#[pyclass(module = "stepllm._core", name = "TokenDelta", frozen, eq, hash, from_py_object)]
+#[pyclass(
+    module = "stepllm._core",
+    name = "TokenDelta",
+    frozen,
+    eq,
+    hash,
+    from_py_object
+)]
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct PyTokenDelta(pub TokenDelta);
 
@@ -152,7 +194,14 @@ impl PyTokenDelta {
     }
 }
 
-#[pyclass(module = "stepllm._core", name = "StepExecution", frozen, eq, hash, from_py_object)]
+#[pyclass(
+    module = "stepllm._core",
+    name = "StepExecution",
+    frozen,
+    eq,
+    hash,
+    from_py_object
+)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct PyStepExecution(pub StepExecution);
 
@@ -180,7 +229,13 @@ impl PyStepExecution {
     }
 }
 
-#[pyclass(module = "stepllm._core", name = "BatchResult", frozen, eq, from_py_object)]
+#[pyclass(
+    module = "stepllm._core",
+    name = "BatchResult",
+    frozen,
+    eq,
+    from_py_object
+)]
 #[derive(Debug, Clone, PartialEq)]
 pub struct PyBatchResult(pub BatchResult);
 
@@ -222,6 +277,9 @@ impl PyBatchResult {
     fn error(&self) -> Option<String> {
         self.0.error.clone()
     }
+    fn __hash__(&self) -> u64 {
+        crate::hashing::py_hash(&self.0)
+    }
     fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
         py_repr!(py, "BatchResult",
             "identity" => self.identity(), "prompt_ids" => self.prompt_ids(), "output_ids" => self.output_ids(),
@@ -230,7 +288,13 @@ impl PyBatchResult {
     }
 }
 
-#[pyclass(module = "stepllm._core", name = "StepResult", frozen, eq, from_py_object)]
+#[pyclass(
+    module = "stepllm._core",
+    name = "StepResult",
+    frozen,
+    eq,
+    from_py_object
+)]
 #[derive(Debug, Clone, PartialEq)]
 pub struct PyStepResult(pub StepResult);
 
@@ -250,7 +314,12 @@ impl PyStepResult {
     }
     #[getter]
     fn participants(&self) -> Vec<PyScheduledSequenceDescriptor> {
-        self.0.participants.iter().copied().map(PyScheduledSequenceDescriptor).collect()
+        self.0
+            .participants
+            .iter()
+            .copied()
+            .map(PyScheduledSequenceDescriptor)
+            .collect()
     }
     #[getter]
     fn execution(&self) -> PyStepExecution {
@@ -258,15 +327,26 @@ impl PyStepResult {
     }
     #[getter]
     fn deltas(&self) -> Vec<(PyResidentRef, PyTokenDelta)> {
-        self.0.deltas.iter().map(|(r, d)| (PyResidentRef(*r), PyTokenDelta(d.clone()))).collect()
+        self.0
+            .deltas
+            .iter()
+            .map(|(r, d)| (PyResidentRef(*r), PyTokenDelta(d.clone())))
+            .collect()
     }
     #[getter]
     fn finished(&self) -> Vec<(PyResidentRef, PyBatchResult)> {
-        self.0.finished.iter().map(|(r, b)| (PyResidentRef(*r), PyBatchResult(b.clone()))).collect()
+        self.0
+            .finished
+            .iter()
+            .map(|(r, b)| (PyResidentRef(*r), PyBatchResult(b.clone())))
+            .collect()
     }
     #[getter]
     fn published_prefix(&self) -> bool {
         self.0.published_prefix
+    }
+    fn __hash__(&self) -> u64 {
+        crate::hashing::py_hash(&self.0)
     }
     fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
         py_repr!(py, "StepResult",
@@ -277,7 +357,13 @@ impl PyStepResult {
 }
 
 /// Built by `SteppedRequest.build_intent` only: it is the proof that validation and tokenization happened.
-#[pyclass(module = "stepllm._core", name = "AdmissionIntent", frozen, eq, from_py_object)]
+#[pyclass(
+    module = "stepllm._core",
+    name = "AdmissionIntent",
+    frozen,
+    eq,
+    from_py_object
+)]
 #[derive(Debug, Clone, PartialEq)]
 pub struct PyAdmissionIntent(pub AdmissionIntent);
 
@@ -299,13 +385,24 @@ impl PyAdmissionIntent {
     fn request(&self) -> PyGenerationRequest {
         PyGenerationRequest(self.0.request.clone())
     }
+    fn __hash__(&self) -> u64 {
+        crate::hashing::py_hash(&self.0)
+    }
     fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
         py_repr!(py, "AdmissionIntent", "request_id" => self.0.request_id, "original_index" => self.0.original_index,
             "prompt_ids" => self.prompt_ids(), "request" => self.request())
     }
 }
 
-#[pyclass(module = "stepllm._core", name = "AdmissionStatus", frozen, eq, hash, from_py_object, rename_all = "SCREAMING_SNAKE_CASE")]
+#[pyclass(
+    module = "stepllm._core",
+    name = "AdmissionStatus",
+    frozen,
+    eq,
+    hash,
+    from_py_object,
+    rename_all = "SCREAMING_SNAKE_CASE"
+)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum PyAdmissionStatus {
     Admitted,
@@ -323,7 +420,14 @@ impl From<AdmissionStatus> for PyAdmissionStatus {
     }
 }
 
-#[pyclass(module = "stepllm._core", name = "AdmissionResult", frozen, eq, hash, from_py_object)]
+#[pyclass(
+    module = "stepllm._core",
+    name = "AdmissionResult",
+    frozen,
+    eq,
+    hash,
+    from_py_object
+)]
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct PyAdmissionResult(pub AdmissionResult);
 
@@ -352,7 +456,14 @@ impl PyAdmissionResult {
     }
 }
 
-#[pyclass(module = "stepllm._core", name = "ImmutablePrefillBatch", frozen, eq, hash, from_py_object)]
+#[pyclass(
+    module = "stepllm._core",
+    name = "ImmutablePrefillBatch",
+    frozen,
+    eq,
+    hash,
+    from_py_object
+)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct PyImmutablePrefillBatch(pub ImmutablePrefillBatch);
 
@@ -371,7 +482,14 @@ impl PyImmutablePrefillBatch {
     }
 }
 
-#[pyclass(module = "stepllm._core", name = "ImmutableDecodeBatch", frozen, eq, hash, from_py_object)]
+#[pyclass(
+    module = "stepllm._core",
+    name = "ImmutableDecodeBatch",
+    frozen,
+    eq,
+    hash,
+    from_py_object
+)]
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct PyImmutableDecodeBatch(pub ImmutableDecodeBatch);
 
@@ -379,7 +497,9 @@ pub struct PyImmutableDecodeBatch(pub ImmutableDecodeBatch);
 impl PyImmutableDecodeBatch {
     #[new]
     fn new(residents: Vec<PyResidentRef>) -> Self {
-        Self(ImmutableDecodeBatch { residents: residents.into_iter().map(|r| r.0).collect() })
+        Self(ImmutableDecodeBatch {
+            residents: residents.into_iter().map(|r| r.0).collect(),
+        })
     }
     #[getter]
     fn residents(&self) -> Vec<PyResidentRef> {

@@ -3,7 +3,8 @@
 
 use super::batch::BatchPlan;
 use super::cpu_attention::{self, CpuKvCache};
-use super::cpu_kernels::{for_each_row, matmul_transposed, rms_norm_row, silu};
+use super::cpu_kernels::{for_each_row, rms_norm_row, silu, PARALLEL_ELEMENTS};
+use super::cpu_matmul::matmul_transposed;
 use super::{AttentionShape, Backend, KvCacheShape};
 use crate::error::{Error, Result};
 use crate::model::loader::HostTensor;
@@ -187,7 +188,7 @@ impl Backend for CpuBackend {
             }
             rms_norm_row(res, &weight.0, eps, o);
         };
-        if residual.data.len() >= 1 << 15 {
+        if residual.data.len() >= PARALLEL_ELEMENTS {
             let rows = residual.data.par_chunks_mut(cols).zip(delta.data.par_chunks(cols));
             rows.zip(out.data.par_chunks_mut(cols)).for_each(add_then_norm);
         } else {
@@ -238,7 +239,7 @@ impl Backend for CpuBackend {
     }
 
     fn silu_mul(&self, gate_up: &CpuTensor, out: &mut CpuTensor) -> Result<()> {
-        if gate_up.cols % 2 != 0 {
+        if !gate_up.cols.is_multiple_of(2) {
             return internal(format!("silu_mul wants [gate | up] rows, got odd width {}", gate_up.cols));
         }
         let half = gate_up.cols / 2;

@@ -8,8 +8,10 @@
 
 pub mod batch;
 pub mod cpu;
+pub mod cuda;
 mod cpu_attention;
 mod cpu_kernels;
+mod cpu_matmul;
 
 pub use batch::{BatchPlan, PlannedSeq};
 pub use cpu::CpuBackend;

@@ -11,9 +11,7 @@ use crate::model::{Device, ForwardBatch, ModelConfig, ModelRunner};
 pub fn build_runner(config: &ModelConfig, weights: &dyn WeightSource, device: Device) -> Result<Box<dyn ModelRunner>> {
     match device {
         Device::Cpu => Ok(Box::new(LlamaModel::load(CpuBackend::default(), config, weights)?)),
-        Device::Cuda(ordinal) => Err(Error::Device(format!(
-            "CUDA backend not built yet (asked for cuda:{ordinal}); run on Device::Cpu"
-        ))),
+        Device::Cuda(ordinal) => crate::backend::cuda::build_runner(config, weights, ordinal),
     }
 }
 

@@ -46,9 +46,24 @@ pub trait ModelRunner: Send {
     /// Compute one ragged batch, writing its K/V into the cache. Returns row-major logits,
     /// `batch.logits_for.len()` rows of `vocab_size` floats.
     fn forward(&mut self, batch: &ForwardBatch) -> Result<Vec<f32>>;
+    /// Forward, then sample one token per logits row with that row's parameters. The default samples on
+    /// the host from `forward`'s logits; a GPU runner overrides it to sample on the device and copy back
+    /// only the chosen tokens (and logprobs when asked).
+    fn forward_and_sample(
+        &mut self,
+        batch: &ForwardBatch,
+        rows: &[crate::sampling::RowContext],
+    ) -> Result<Vec<crate::sampling::Sampled>> {
+        let mut logits = self.forward(batch)?;
+        Ok(crate::sampling::sample_rows(&mut logits, self.config().vocab_size, rows))
+    }
     /// Human-readable device and dtype, e.g. "cpu (f32)".
     fn device_description(&self) -> String;
     fn parameter_count(&self) -> usize;
+    /// Capture CUDA graphs for decode; false where the backend has none (the CPU).
+    fn capture_decode_graphs(&mut self, _max_batch_size: usize) -> Result<bool> {
+        Ok(false)
+    }
 }
 
 /// Everything needed to serve a model: weights on a device, its tokenizer and chat template.

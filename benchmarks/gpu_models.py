@@ -1,0 +1,64 @@
+"""Random-weight checkpoints with the shapes of real models, made with transformers (bf16 safetensors plus a
+WordLevel tokenizer of the full vocabulary size), for the GPU tests and benchmarks.
+
+    python3 benchmarks/gpu_models.py OUT_DIR [smollm2 qwen3 llama1b]
+
+The embedding (tied to the LM head) is scaled up so that logits are peaked and greedy choices are stable
+under bf16 rounding.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+SHAPES = {
+    "smollm2": dict(arch="llama", hidden=576, layers=30, heads=9, kv=3, head_dim=64, inter=1536, vocab=49152, theta=100000.0),
+    "qwen3": dict(arch="qwen3", hidden=1024, layers=28, heads=16, kv=8, head_dim=128, inter=3072, vocab=151936, theta=1000000.0),
+    "llama1b": dict(arch="llama", hidden=2048, layers=16, heads=32, kv=8, head_dim=64, inter=8192, vocab=128256, theta=500000.0),
+}
+EMBED_SCALE = 8.0
+
+
+def make(name: str, out: Path, seed: int = 0) -> Path:
+    import torch
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    s = SHAPES[name]
+    path = out / name
+    if (path / "model.safetensors").exists():
+        return path
+    torch.manual_seed(seed)
+    common = dict(
+        vocab_size=s["vocab"], hidden_size=s["hidden"], intermediate_size=s["inter"], num_hidden_layers=s["layers"],
+        num_attention_heads=s["heads"], num_key_value_heads=s["kv"], head_dim=s["head_dim"], rope_theta=s["theta"],
+        max_position_embeddings=4096, tie_word_embeddings=True, rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=1,
+        torch_dtype="bfloat16",
+    )
+    if s["arch"] == "qwen3":
+        config = transformers.Qwen3Config(**common)
+        model = transformers.Qwen3ForCausalLM(config)
+    else:
+        config = transformers.LlamaConfig(**common)
+        model = transformers.LlamaForCausalLM(config)
+    with torch.no_grad():
+        model.model.embed_tokens.weight.mul_(EMBED_SCALE)
+        for n, p in model.named_parameters():
+            if "norm" in n:  # random norm weights exercise the kernels better than ones
+                p.uniform_(0.5, 1.5)
+    model = model.to(torch.bfloat16)
+    model.save_pretrained(path, safe_serialization=True)
+    vocab = {f"t{i}": i for i in range(s["vocab"])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "t0", "eos_token": "t1"}))
+    return path
+
+
+if __name__ == "__main__":
+    out = Path(sys.argv[1])
+    for name in sys.argv[2:] or list(SHAPES):
+        print(make(name, out))

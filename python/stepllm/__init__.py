@@ -1,0 +1,83 @@
+"""stepllm: a stepped LLM inference runtime (Rust core, Python API).
+
+Stepped control plane: RuntimeCoordinator.begin_stepped -> SteppedRequest (admit / prefill / decode, one
+operation per tick, each committed as an immutable StepResult). Serving: Engine (an actor thread; submit from
+any thread, stream sync or async). Offline: LLM.generate / chat / stream.
+"""
+
+from ._core import (
+    AdmissionIntent,
+    AdmissionResult,
+    AdmissionStatus,
+    BatchResult,
+    Config,
+    ContextCacheConfig,
+    DeviceError,
+    FinishReason,
+    GenerationRequest,
+    GenerationResponse,
+    ImmutableDecodeBatch,
+    ImmutablePrefillBatch,
+    InvalidRequestError,
+    ModelLoadError,
+    ParallelConfig,
+    ProtocolError,
+    RequestStream,
+    ResidentRef,
+    RuntimeCoordinator,
+    SamplingParams,
+    ScheduledSequenceDescriptor,
+    SequenceIdentity,
+    SequenceWork,
+    StaleRefError,
+    StepExecution,
+    StepllmError,
+    StepResult,
+    SteppedRequest,
+    StreamChunk,
+    TokenDelta,
+    TokenLogprob,
+    __version__,
+)
+from .engine import Engine
+from .llm import LLM
+from .models import default_model_path, resolve_model
+
+__all__ = [
+    "AdmissionIntent",
+    "AdmissionResult",
+    "AdmissionStatus",
+    "BatchResult",
+    "Config",
+    "ContextCacheConfig",
+    "DeviceError",
+    "Engine",
+    "FinishReason",
+    "GenerationRequest",
+    "GenerationResponse",
+    "ImmutableDecodeBatch",
+    "ImmutablePrefillBatch",
+    "InvalidRequestError",
+    "LLM",
+    "ModelLoadError",
+    "ParallelConfig",
+    "ProtocolError",
+    "RequestStream",
+    "ResidentRef",
+    "RuntimeCoordinator",
+    "SamplingParams",
+    "ScheduledSequenceDescriptor",
+    "SequenceIdentity",
+    "SequenceWork",
+    "StaleRefError",
+    "StepExecution",
+    "StepllmError",
+    "StepResult",
+    "SteppedRequest",
+    "StreamChunk",
+    "TokenDelta",
+    "TokenLogprob",
+    "__version__",
+    "default_model_path",
+    "resolve_model",
+]

@@ -1,0 +1,103 @@
+//! Compiles kernels/*.cu to PTX (compute_80, so the driver JITs it for sm_80..sm_110) and embeds it.
+//!
+//! nvcc is looked up in $NVCC, then in the PyPI package (`pip install "cuda-toolkit[nvcc,cccl]==13.0.*"`),
+//! then on PATH. Without nvcc the build still succeeds: the CUDA backend then reports, at run time, that
+//! it was built without kernels. That keeps CPU-only CI free of any CUDA dependency.
+
+use std::env;
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+fn main() {
+    let manifest = PathBuf::from(env::var("CARGO_MANIFEST_DIR").unwrap());
+    let kernels = manifest.join("../../kernels");
+    let out_dir = PathBuf::from(env::var("OUT_DIR").unwrap());
+    println!("cargo:rerun-if-changed={}", kernels.display());
+    println!("cargo:rerun-if-env-changed=NVCC");
+    println!("cargo:rerun-if-env-changed=STEPLLM_NO_CUDA_KERNELS");
+
+    let sources = cu_sources(&kernels);
+    for s in &sources {
+        println!("cargo:rerun-if-changed={}", s.display());
+    }
+    let nvcc = if env::var_os("STEPLLM_NO_CUDA_KERNELS").is_some() { None } else { find_nvcc() };
+    let modules = match &nvcc {
+        Some(nvcc) => compile_all(nvcc, &kernels, &sources, &out_dir),
+        None => {
+            println!(
+                "cargo:warning=nvcc not found: building without CUDA kernels (install \
+                 cuda-toolkit[nvcc,cccl]==13.0.* with pip, or set NVCC, and rebuild to enable the CUDA backend)"
+            );
+            Vec::new()
+        }
+    };
+    write_table(&out_dir, &modules);
+}
+
+fn cu_sources(dir: &Path) -> Vec<PathBuf> {
+    let mut v: Vec<PathBuf> = fs::read_dir(dir)
+        .map(|rd| rd.filter_map(|e| e.ok().map(|e| e.path())).collect())
+        .unwrap_or_default();
+    v.retain(|p| p.extension().is_some_and(|e| e == "cu"));
+    v.sort();
+    v
+}
+
+fn find_nvcc() -> Option<PathBuf> {
+    if let Some(p) = env::var_os("NVCC") {
+        return Some(PathBuf::from(p));
+    }
+    // The PyPI wheels put nvcc in site-packages/nvidia/cu13/bin; ask python where `nvidia` lives.
+    for python in ["python3", "python"] {
+        let script = "import nvidia,os\nfor p in nvidia.__path__: print(os.path.join(p,'cu13','bin','nvcc'))";
+        if let Ok(out) = Command::new(python).args(["-c", script]).output() {
+            for line in String::from_utf8_lossy(&out.stdout).lines() {
+                let p = PathBuf::from(line.trim());
+                if p.is_file() {
+                    return Some(p);
+                }
+            }
+        }
+    }
+    let path = env::var_os("PATH")?;
+    env::split_paths(&path).map(|d| d.join("nvcc")).find(|p| p.is_file())
+}
+
+/// Compile every source in parallel (one nvcc per file) and return (module name, ptx path).
+fn compile_all(nvcc: &Path, include: &Path, sources: &[PathBuf], out_dir: &Path) -> Vec<(String, PathBuf)> {
+    let jobs: Vec<_> = sources
+        .iter()
+        .map(|src| {
+            let name = src.file_stem().unwrap().to_string_lossy().into_owned();
+            let ptx = out_dir.join(format!("{name}.ptx"));
+            let child = Command::new(nvcc)
+                .args(["--ptx", "-arch=compute_80", "-O3", "-std=c++17"])
+                .arg("-I")
+                .arg(include)
+                .arg("-o")
+                .arg(&ptx)
+                .arg(src)
+                .spawn()
+                .unwrap_or_else(|e| panic!("cannot run {}: {e}", nvcc.display()));
+            (name, ptx, child)
+        })
+        .collect();
+    jobs.into_iter()
+        .map(|(name, ptx, mut child)| {
+            let status = child.wait().expect("nvcc did not run");
+            assert!(status.success(), "nvcc failed on kernels/{name}.cu (see the error above)");
+            (name, ptx)
+        })
+        .collect()
+}
+
+fn write_table(out_dir: &Path, modules: &[(String, PathBuf)]) {
+    let mut code = String::from("/// (module name, PTX source) for every kernels/*.cu; empty when built without nvcc.\n");
+    code.push_str("pub const PTX_MODULES: &[(&str, &str)] = &[\n");
+    for (name, path) in modules {
+        code.push_str(&format!("    ({name:?}, include_str!({:?})),\n", path.display().to_string()));
+    }
+    code.push_str("];\n");
+    fs::write(out_dir.join("ptx_modules.rs"), code).unwrap();
+}

@@ -1,0 +1,637 @@
+//! `CudaBackend`: the [`Backend`] ops on an NVIDIA GPU in bf16. Kernels come from kernels/*.cu (PTX embedded
+//! at build time); GEMMs go to our GEMV kernels for batches of up to 8 rows and to cuBLAS above that.
+//!
+//! Storage only grows, and once decode graphs exist a replaced allocation is kept alive (graphs hold raw
+//! pointers into it), so replaying a graph after a larger prefill stays valid.
+
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use half::bf16;
+use rayon::prelude::*;
+
+use super::blas::Blas;
+use super::device::{Arg, DeviceBuffer, Func, Gpu};
+use crate::backend::{AttentionShape, Backend, BatchPlan, KvCacheShape};
+use crate::error::{Error, Result};
+use crate::model::loader::HostTensor;
+
+/// Largest batch served by the GEMV kernels (one instantiation per row count).
+pub const GEMV_MAX_ROWS: usize = 8;
+/// Most blocks one (token, kv head) of attention is split over.
+const MAX_ATTENTION_SPLITS: usize = 16;
+
+/// Kernel handles, resolved once at start.
+struct Kernels {
+    embed: Func,
+    rms_norm: Func,
+    add_rms_norm: Func,
+    rope: Func,
+    silu_mul: Func,
+    add_bias: Func,
+    select_rows: Func,
+    gemv: Vec<Func>,
+    gemv_silu: Vec<Func>,
+    /// ((head_dim, group size), kernel)
+    attention: Vec<((usize, usize), Func)>,
+    pub sample: Func,
+}
+
+impl Kernels {
+    fn load(gpu: &Gpu) -> Result<Self> {
+        let mut attention = Vec::new();
+        for (d, groups) in [(64, &[1, 2, 3, 4, 8][..]), (128, &[1, 2, 4, 8][..])] {
+            for &g in groups {
+                attention.push(((d, g), gpu.function("attention", &format!("paged_attention_d{d}_g{g}"))?));
+            }
+        }
+        let rows = 1..=GEMV_MAX_ROWS;
+        Ok(Self {
+            embed: gpu.function("embedding", "embed")?,
+            rms_norm: gpu.function("norm", "rms_norm")?,
+            add_rms_norm: gpu.function("norm", "add_rms_norm")?,
+            rope: gpu.function("rope", "rope_write_kv")?,
+            silu_mul: gpu.function("activation", "silu_mul")?,
+            add_bias: gpu.function("activation", "add_bias")?,
+            select_rows: gpu.function("activation", "select_rows")?,
+            gemv: rows.clone().map(|m| gpu.function("gemv", &format!("gemv_m{m}"))).collect::<Result<_>>()?,
+            gemv_silu: rows.map(|m| gpu.function("gemv", &format!("gemv_silu_m{m}"))).collect::<Result<_>>()?,
+            attention,
+            sample: gpu.function("sampling", "sample_rows")?,
+        })
+    }
+}
+
+/// Section offsets (in u32) of one batch-metadata buffer. Graph replays reuse one fixed layout.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct MetaLayout {
+    pub tokens: usize,
+    pub positions: usize,
+    pub slots: usize,
+    pub token_seq: usize,
+    pub seq_info: usize,
+    pub logits_rows: usize,
+    pub tables: usize,
+    pub total: usize,
+}
+
+impl MetaLayout {
+    /// Room for `n` tokens, `s` sequences, `l` logits rows and `t` block-table entries.
+    pub fn new(n: usize, s: usize, l: usize, t: usize) -> Self {
+        let tokens = 0;
+        let positions = tokens + n;
+        let slots = positions + n;
+        let token_seq = slots + n;
+        let seq_info = token_seq + n;
+        let logits_rows = seq_info + 5 * s;
+        let tables = logits_rows + l;
+        Self { tokens, positions, slots, token_seq, seq_info, logits_rows, tables, total: tables + t }
+    }
+
+    /// Write `plan` into `out` (at least `total` long).
+    pub fn pack(&self, plan: &BatchPlan, out: &mut [u32]) {
+        let n = plan.num_tokens();
+        out[self.tokens..self.tokens + n].copy_from_slice(&plan.tokens);
+        out[self.positions..self.positions + n].copy_from_slice(&plan.positions);
+        out[self.slots..self.slots + n].copy_from_slice(&plan.slots);
+        out[self.token_seq..self.token_seq + n].copy_from_slice(&plan.token_seq);
+        for (i, s) in plan.seqs.iter().enumerate() {
+            let at = self.seq_info + 5 * i;
+            out[at..at + 5].copy_from_slice(&[s.start, s.len, s.past_len, s.table_start, s.table_len]);
+        }
+        let l = plan.logits_rows.len();
+        out[self.logits_rows..self.logits_rows + l].copy_from_slice(&plan.logits_rows);
+        let t = plan.block_tables.len();
+        out[self.tables..self.tables + t].copy_from_slice(&plan.block_tables);
+    }
+}
+
+/// Batch metadata on the device.
+#[derive(Default)]
+pub struct CudaBatch {
+    own: Option<DeviceBuffer>,
+    base: u64,
+    layout: MetaLayout,
+    pub n_tokens: usize,
+    pub n_logits: usize,
+    /// Longest context of the batch; None while capturing a graph (the replayed batch is not known yet).
+    max_context: Option<usize>,
+}
+
+impl CudaBatch {
+    fn section(&self, offset: usize) -> u64 {
+        self.base + 4 * offset as u64
+    }
+}
+
+/// A bf16 activation `[rows, cols]`.
+#[derive(Default)]
+pub struct CudaTensor {
+    buf: Option<DeviceBuffer>,
+    rows: usize,
+    cols: usize,
+}
+
+impl CudaTensor {
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    pub fn cols(&self) -> usize {
+        self.cols
+    }
+
+    pub fn ptr(&self) -> u64 {
+        self.buf.as_ref().map_or(0, |b| b.ptr())
+    }
+}
+
+/// A bf16 weight matrix `[rows = out_features, cols = in_features]`.
+pub struct CudaMatrix {
+    buf: DeviceBuffer,
+    rows: usize,
+    cols: usize,
+}
+
+/// An f32 vector (norm weights, biases).
+pub struct CudaVector {
+    buf: DeviceBuffer,
+    len: usize,
+}
+
+/// K and V of every layer as `[num_blocks + 1][block_size][kv_dim]` bf16. The extra last block is the
+/// dummy that padded rows of a graph replay write to and read from.
+pub struct CudaKvCache {
+    shape: KvCacheShape,
+    keys: Vec<DeviceBuffer>,
+    values: Vec<DeviceBuffer>,
+}
+
+impl CudaKvCache {
+    pub fn shape(&self) -> KvCacheShape {
+        self.shape
+    }
+}
+
+/// Interior state of the backend (ops take `&self`).
+#[derive(Default)]
+pub(super) struct State {
+    /// While capturing decode graphs: the fixed metadata buffer every graph reads, and its layout.
+    pub capture: Option<(u64, MetaLayout)>,
+    /// Set once graphs exist: replaced allocations stay alive because graphs point into them.
+    pub keep_retired: bool,
+    retired: Vec<DeviceBuffer>,
+    attn_partial: Option<DeviceBuffer>,
+    attn_counters: Option<DeviceBuffer>,
+    /// A deferred silu_mul (gate_up ptr, out ptr, rows, half): the next linear reading `out` fuses it.
+    pending_silu: Option<(u64, u64, usize, usize)>,
+    /// When set, copy_to_host leaves the logits on the device for GPU sampling and records them here.
+    pub logits_on_device: bool,
+    pub last_logits: Option<(u64, usize, usize)>,
+    staging: Vec<u32>,
+}
+
+pub(super) struct Inner {
+    pub gpu: Gpu,
+    blas: Blas,
+    kernels: Kernels,
+    pub state: Mutex<State>,
+}
+
+/// The CUDA backend; cheap to clone (clones share the device, stream and state).
+#[derive(Clone)]
+pub struct CudaBackend {
+    pub(super) inner: Arc<Inner>,
+}
+
+impl CudaBackend {
+    pub fn new(ordinal: usize) -> Result<Self> {
+        let gpu = Gpu::new(ordinal)?;
+        let blas = Blas::new(&gpu)?;
+        let kernels = Kernels::load(&gpu)?;
+        Ok(Self { inner: Arc::new(Inner { gpu, blas, kernels, state: Mutex::new(State::default()) }) })
+    }
+
+    pub fn gpu(&self) -> &Gpu {
+        &self.inner.gpu
+    }
+
+    pub(super) fn state(&self) -> MutexGuard<'_, State> {
+        self.inner.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub(super) fn sample_kernel(&self) -> Func {
+        self.inner.kernels.sample
+    }
+
+    /// Make sure `t` can hold `[rows, cols]` bf16, then shape it so.
+    fn ensure(&self, t: &mut CudaTensor, rows: usize, cols: usize) -> Result<()> {
+        let bytes = rows * cols * 2;
+        if t.buf.as_ref().is_none_or(|b| b.bytes() < bytes) {
+            let fresh = self.inner.gpu.alloc(bytes + bytes / 4)?;
+            if let Some(old) = t.buf.replace(fresh) {
+                let mut st = self.state();
+                if st.keep_retired {
+                    st.retired.push(old);
+                }
+            }
+        }
+        t.rows = rows;
+        t.cols = cols;
+        Ok(())
+    }
+
+    /// Attention split-K workspace for `tokens` query tokens; grows (never while capturing).
+    fn attention_workspace(&self, tokens: usize, shape: &AttentionShape, splits: usize) -> Result<(u64, u64)> {
+        let mut st = self.state();
+        let floats = tokens * shape.num_heads * splits * (shape.head_dim + 2);
+        let counters = tokens * shape.num_kv_heads;
+        let fits = |b: &Option<DeviceBuffer>, bytes: usize| b.as_ref().is_some_and(|b| b.bytes() >= bytes);
+        if !fits(&st.attn_partial, floats * 4) || !fits(&st.attn_counters, counters * 4) {
+            if st.capture.is_some() {
+                return Err(Error::Device("attention workspace too small during graph capture".into()));
+            }
+            let partial = self.inner.gpu.alloc(floats * 4 * 2)?;
+            let count = self.inner.gpu.alloc(counters * 4 * 2)?;
+            self.inner.gpu.synchronize()?;
+            count.zero()?;
+            let keep = st.keep_retired;
+            for old in [st.attn_partial.replace(partial), st.attn_counters.replace(count)].into_iter().flatten() {
+                if keep {
+                    st.retired.push(old);
+                }
+            }
+        }
+        Ok((st.attn_partial.as_ref().unwrap().ptr(), st.attn_counters.as_ref().unwrap().ptr()))
+    }
+
+    /// Grow the attention workspace ahead of graph capture (capture cannot allocate-and-zero).
+    pub(super) fn reserve_attention(&self, tokens: usize, shape: &AttentionShape) -> Result<()> {
+        self.attention_workspace(tokens, shape, MAX_ATTENTION_SPLITS).map(|_| ())
+    }
+
+    fn attention_splits(&self, tokens: usize, num_kv_heads: usize, max_context: Option<usize>) -> usize {
+        let wanted = 2 * self.inner.gpu.sm_count / (tokens * num_kv_heads).max(1);
+        let mut splits = wanted.clamp(1, MAX_ATTENTION_SPLITS);
+        if let Some(ctx) = max_context {
+            splits = splits.min(ctx.div_ceil(64)).max(1);
+        }
+        splits
+    }
+
+    /// Run a deferred silu_mul now (any op other than the linear that fuses it).
+    fn flush(&self) -> Result<()> {
+        let pending = self.state().pending_silu.take();
+        if let Some((gate_up, out, rows, half)) = pending {
+            self.launch_silu(gate_up, out, rows, half)?;
+        }
+        Ok(())
+    }
+
+    fn launch_silu(&self, gate_up: u64, out: u64, rows: usize, half: usize) -> Result<()> {
+        let vecs = rows * half / 8;
+        let grid = vecs.div_ceil(256).clamp(1, 4 * self.inner.gpu.sm_count) as u32;
+        let args = [Arg::Ptr(gate_up), Arg::Ptr(out), Arg::I32(rows as i32), Arg::I32(half as i32)];
+        self.inner.gpu.launch(self.inner.kernels.silu_mul, (grid, 1, 1), 256, &args)
+    }
+
+    /// Warps per output row for the GEMV: enough split-K to fill the GPU, at least two 16-byte loads per lane.
+    fn gemv_split(&self, n: usize, k: usize) -> usize {
+        let chunks = k / 8;
+        let mut wpr = 1;
+        while wpr < 8 && chunks / (32 * wpr * 2) >= 2 {
+            wpr *= 2;
+        }
+        while wpr < 8 && n / (8 / wpr) < 2 * self.inner.gpu.sm_count && chunks >= 32 * wpr * 2 {
+            wpr *= 2;
+        }
+        wpr
+    }
+
+    fn block_for(cols: usize) -> u32 {
+        (cols / 8).div_ceil(32).clamp(1, 32) as u32 * 32
+    }
+}
+
+fn to_bf16(data: &[f32]) -> Vec<bf16> {
+    data.par_iter().with_min_len(1 << 16).map(|&x| bf16::from_f32(x)).collect()
+}
+
+fn internal<T>(msg: String) -> Result<T> {
+    Err(Error::Internal(msg))
+}
+
+impl Backend for CudaBackend {
+    type Tensor = CudaTensor;
+    type Matrix = CudaMatrix;
+    type Vector = CudaVector;
+    type KvCache = CudaKvCache;
+    type Batch = CudaBatch;
+
+    fn description(&self) -> String {
+        let name = self.inner.gpu.ctx.name().unwrap_or_else(|_| "GPU".into());
+        format!("cuda:{} {name} (bf16)", self.inner.gpu.ctx.ordinal())
+    }
+
+    fn upload_matrix(&self, host: HostTensor) -> Result<CudaMatrix> {
+        let [rows, cols] = host.shape[..] else {
+            return internal(format!("upload_matrix wants a 2-D tensor, got shape {:?}", host.shape));
+        };
+        if cols % 8 != 0 {
+            return Err(Error::Device(format!(
+                "the CUDA backend needs matrix widths that are multiples of 8 (16-byte rows); got {cols}"
+            )));
+        }
+        let data = to_bf16(&host.data);
+        let buf = self.inner.gpu.alloc(data.len() * 2)?;
+        self.inner.gpu.upload(buf.ptr(), &data)?;
+        self.inner.gpu.synchronize()?;
+        Ok(CudaMatrix { buf, rows, cols })
+    }
+
+    fn upload_vector(&self, host: HostTensor) -> Result<CudaVector> {
+        let buf = self.inner.gpu.alloc(host.data.len() * 4)?;
+        self.inner.gpu.upload(buf.ptr(), &host.data)?;
+        self.inner.gpu.synchronize()?;
+        Ok(CudaVector { buf, len: host.data.len() })
+    }
+
+    fn new_tensor(&self) -> CudaTensor {
+        CudaTensor::default()
+    }
+
+    fn allocate_kv_cache(&self, shape: KvCacheShape) -> Result<CudaKvCache> {
+        let bytes = (shape.num_blocks + 1) * shape.block_size * shape.kv_dim() * 2;
+        let mut keys = Vec::with_capacity(shape.num_layers);
+        let mut values = Vec::with_capacity(shape.num_layers);
+        for _ in 0..shape.num_layers {
+            keys.push(self.inner.gpu.alloc(bytes)?);
+            values.push(self.inner.gpu.alloc(bytes)?);
+        }
+        Ok(CudaKvCache { shape, keys, values })
+    }
+
+    fn new_batch(&self) -> CudaBatch {
+        CudaBatch::default()
+    }
+
+    fn upload_batch(&self, plan: &BatchPlan, batch: &mut CudaBatch) -> Result<()> {
+        self.inner.gpu.bind()?;
+        self.flush()?;
+        batch.n_tokens = plan.num_tokens();
+        batch.n_logits = plan.logits_rows.len();
+        let capture = self.state().capture;
+        if let Some((base, layout)) = capture {
+            // Capturing: kernels read the fixed graph buffer, filled before each replay.
+            batch.base = base;
+            batch.layout = layout;
+            batch.max_context = None;
+            return Ok(());
+        }
+        let layout = MetaLayout::new(plan.num_tokens(), plan.seqs.len(), plan.logits_rows.len(), plan.block_tables.len());
+        let mut st = self.state();
+        st.staging.resize(layout.total, 0);
+        layout.pack(plan, &mut st.staging);
+        if batch.own.as_ref().is_none_or(|b| b.bytes() < layout.total * 4) {
+            let fresh = self.inner.gpu.alloc(layout.total * 4 * 2)?;
+            if let Some(old) = batch.own.replace(fresh) {
+                if st.keep_retired {
+                    st.retired.push(old);
+                }
+            }
+        }
+        let own = batch.own.as_ref().unwrap();
+        self.inner.gpu.upload(own.ptr(), &st.staging)?;
+        batch.base = own.ptr();
+        batch.layout = layout;
+        batch.max_context = plan.seqs.iter().map(|s| s.context_len()).max();
+        Ok(())
+    }
+
+    fn embed(&self, table: &CudaMatrix, batch: &CudaBatch, out: &mut CudaTensor) -> Result<()> {
+        self.flush()?;
+        self.ensure(out, batch.n_tokens, table.cols)?;
+        let args = [
+            Arg::Ptr(table.buf.ptr()),
+            Arg::Ptr(batch.section(batch.layout.tokens)),
+            Arg::Ptr(out.ptr()),
+            Arg::I32(table.cols as i32),
+        ];
+        self.inner.gpu.launch(self.inner.kernels.embed, (batch.n_tokens as u32, 1, 1), Self::block_for(table.cols), &args)
+    }
+
+    fn rms_norm(&self, x: &CudaTensor, weight: &CudaVector, eps: f32, out: &mut CudaTensor) -> Result<()> {
+        self.flush()?;
+        if x.cols != weight.len {
+            return internal(format!("rms_norm: input width {} but weight width {}", x.cols, weight.len));
+        }
+        self.ensure(out, x.rows, x.cols)?;
+        let args = [Arg::Ptr(x.ptr()), Arg::Ptr(weight.buf.ptr()), Arg::F32(eps), Arg::Ptr(out.ptr()), Arg::I32(x.cols as i32)];
+        self.inner.gpu.launch(self.inner.kernels.rms_norm, (x.rows as u32, 1, 1), Self::block_for(x.cols), &args)
+    }
+
+    fn add_rms_norm(
+        &self,
+        residual: &mut CudaTensor,
+        delta: &CudaTensor,
+        weight: &CudaVector,
+        eps: f32,
+        out: &mut CudaTensor,
+    ) -> Result<()> {
+        self.flush()?;
+        if (residual.rows, residual.cols) != (delta.rows, delta.cols) || residual.cols != weight.len {
+            return internal(format!(
+                "add_rms_norm: residual [{}, {}], delta [{}, {}], weight {}",
+                residual.rows, residual.cols, delta.rows, delta.cols, weight.len
+            ));
+        }
+        self.ensure(out, residual.rows, residual.cols)?;
+        let args = [
+            Arg::Ptr(residual.ptr()),
+            Arg::Ptr(delta.ptr()),
+            Arg::Ptr(weight.buf.ptr()),
+            Arg::F32(eps),
+            Arg::Ptr(out.ptr()),
+            Arg::I32(residual.cols as i32),
+        ];
+        let block = Self::block_for(residual.cols);
+        self.inner.gpu.launch(self.inner.kernels.add_rms_norm, (residual.rows as u32, 1, 1), block, &args)
+    }
+
+    fn linear(&self, x: &CudaTensor, weight: &CudaMatrix, bias: Option<&CudaVector>, out: &mut CudaTensor) -> Result<()> {
+        let pending = {
+            let mut st = self.state();
+            match st.pending_silu {
+                Some(p) if p.1 == x.ptr() => st.pending_silu.take(),
+                _ => None,
+            }
+        };
+        self.flush()?;
+        if x.cols != weight.cols {
+            return internal(format!("linear: input width {} but weight width {}", x.cols, weight.cols));
+        }
+        let (m, n, k) = (x.rows, weight.rows, weight.cols);
+        self.ensure(out, m, n)?;
+        let bias_ptr = bias.map_or(0, |b| b.buf.ptr());
+        if (1..=GEMV_MAX_ROWS).contains(&m) {
+            let (f, input) = match pending {
+                Some((gate_up, ..)) => (self.inner.kernels.gemv_silu[m - 1], gate_up),
+                None => (self.inner.kernels.gemv[m - 1], x.ptr()),
+            };
+            let wpr = self.gemv_split(n, k);
+            let grid = n.div_ceil(8 / wpr) as u32;
+            let args = [
+                Arg::Ptr(input),
+                Arg::Ptr(weight.buf.ptr()),
+                Arg::Ptr(bias_ptr),
+                Arg::Ptr(out.ptr()),
+                Arg::I32(n as i32),
+                Arg::I32(k as i32),
+                Arg::I32(wpr as i32),
+            ];
+            return self.inner.gpu.launch(f, (grid, 1, 1), 256, &args);
+        }
+        if let Some((gate_up, act, rows, half)) = pending {
+            self.launch_silu(gate_up, act, rows, half)?;
+        }
+        if m == 0 {
+            return Ok(());
+        }
+        self.inner.blas.gemm_bf16(x.ptr(), weight.buf.ptr(), out.ptr(), m, n, k)?;
+        if bias.is_some() {
+            let grid = (m * n).div_ceil(256).clamp(1, 4 * self.inner.gpu.sm_count) as u32;
+            let args = [Arg::Ptr(out.ptr()), Arg::Ptr(bias_ptr), Arg::I32(m as i32), Arg::I32(n as i32)];
+            self.inner.gpu.launch(self.inner.kernels.add_bias, (grid, 1, 1), 256, &args)?;
+        }
+        Ok(())
+    }
+
+    fn rope_and_write_kv(
+        &self,
+        qkv: &mut CudaTensor,
+        qk_norm: Option<(&CudaVector, &CudaVector)>,
+        shape: &AttentionShape,
+        batch: &CudaBatch,
+        cache: &mut CudaKvCache,
+        layer: usize,
+    ) -> Result<()> {
+        self.flush()?;
+        check_attention(qkv, shape, batch, cache, layer)?;
+        if shape.head_dim > 256 || shape.head_dim % 2 != 0 {
+            return Err(Error::Device(format!("the CUDA RoPE kernel supports even head_dim <= 256, not {}", shape.head_dim)));
+        }
+        let (qn, kn) = qk_norm.map_or((0, 0), |(q, k)| (q.buf.ptr(), k.buf.ptr()));
+        let heads = shape.num_heads + 2 * shape.num_kv_heads;
+        let args = [
+            Arg::Ptr(qkv.ptr()),
+            Arg::I32(shape.qkv_width() as i32),
+            Arg::Ptr(qn),
+            Arg::Ptr(kn),
+            Arg::I32(qk_norm.is_some() as i32),
+            Arg::F32(shape.qk_norm_eps),
+            Arg::Ptr(batch.section(batch.layout.positions)),
+            Arg::Ptr(batch.section(batch.layout.slots)),
+            Arg::Ptr(cache.keys[layer].ptr()),
+            Arg::Ptr(cache.values[layer].ptr()),
+            Arg::I32(shape.num_heads as i32),
+            Arg::I32(shape.num_kv_heads as i32),
+            Arg::I32(shape.head_dim as i32),
+            Arg::F32(shape.rope_theta),
+        ];
+        self.inner.gpu.launch(self.inner.kernels.rope, (batch.n_tokens as u32, heads as u32, 1), 64, &args)
+    }
+
+    fn paged_attention(
+        &self,
+        qkv: &CudaTensor,
+        shape: &AttentionShape,
+        batch: &CudaBatch,
+        cache: &CudaKvCache,
+        layer: usize,
+        out: &mut CudaTensor,
+    ) -> Result<()> {
+        self.flush()?;
+        check_attention(qkv, shape, batch, cache, layer)?;
+        let key = (shape.head_dim, shape.group_size());
+        let Some(&(_, f)) = self.inner.kernels.attention.iter().find(|(k, _)| *k == key) else {
+            return Err(Error::Device(format!(
+                "no CUDA attention kernel for head_dim {} with {} query heads per KV head; add it to kernels/attention.cu",
+                key.0, key.1
+            )));
+        };
+        let n = batch.n_tokens;
+        self.ensure(out, n, shape.q_dim())?;
+        let splits = self.attention_splits(n, shape.num_kv_heads, batch.max_context);
+        let (partial, counters) = self.attention_workspace(n, shape, splits)?;
+        let args = [
+            Arg::Ptr(qkv.ptr()),
+            Arg::I32(shape.qkv_width() as i32),
+            Arg::Ptr(batch.section(batch.layout.positions)),
+            Arg::Ptr(batch.section(batch.layout.token_seq)),
+            Arg::Ptr(batch.section(batch.layout.seq_info)),
+            Arg::Ptr(batch.section(batch.layout.tables)),
+            Arg::Ptr(cache.keys[layer].ptr()),
+            Arg::Ptr(cache.values[layer].ptr()),
+            Arg::I32(cache.shape.block_size as i32),
+            Arg::I32(shape.num_kv_heads as i32),
+            Arg::F32(shape.softmax_scale()),
+            Arg::Ptr(out.ptr()),
+            Arg::Ptr(partial),
+            Arg::Ptr(counters),
+        ];
+        self.inner.gpu.launch(f, (n as u32, shape.num_kv_heads as u32, splits as u32), 128, &args)
+    }
+
+    fn silu_mul(&self, gate_up: &CudaTensor, out: &mut CudaTensor) -> Result<()> {
+        self.flush()?;
+        if gate_up.cols % 16 != 0 {
+            return internal(format!("silu_mul wants [gate | up] rows with halves of 8k, got width {}", gate_up.cols));
+        }
+        let half = gate_up.cols / 2;
+        self.ensure(out, gate_up.rows, half)?;
+        if gate_up.rows <= GEMV_MAX_ROWS {
+            // Deferred: the down projection's GEMV computes silu(gate) * up as it reads its input.
+            self.state().pending_silu = Some((gate_up.ptr(), out.ptr(), gate_up.rows, half));
+            return Ok(());
+        }
+        self.launch_silu(gate_up.ptr(), out.ptr(), gate_up.rows, half)
+    }
+
+    fn select_logits_rows(&self, x: &CudaTensor, batch: &CudaBatch, out: &mut CudaTensor) -> Result<()> {
+        self.flush()?;
+        self.ensure(out, batch.n_logits, x.cols)?;
+        if batch.n_logits == 0 {
+            return Ok(());
+        }
+        let args = [Arg::Ptr(x.ptr()), Arg::Ptr(batch.section(batch.layout.logits_rows)), Arg::Ptr(out.ptr()), Arg::I32(x.cols as i32)];
+        self.inner.gpu.launch(self.inner.kernels.select_rows, (batch.n_logits as u32, 1, 1), Self::block_for(x.cols), &args)
+    }
+
+    fn copy_to_host(&self, x: &CudaTensor, out: &mut Vec<f32>) -> Result<()> {
+        self.flush()?;
+        out.clear();
+        {
+            let mut st = self.state();
+            if st.capture.is_some() || st.logits_on_device {
+                st.last_logits = Some((x.ptr(), x.rows, x.cols));
+                return Ok(());
+            }
+        }
+        let mut host = vec![bf16::ZERO; x.rows * x.cols];
+        self.inner.gpu.download(&mut host, x.ptr())?;
+        out.extend(host.iter().map(|v| v.to_f32()));
+        Ok(())
+    }
+}
+
+fn check_attention(qkv: &CudaTensor, shape: &AttentionShape, batch: &CudaBatch, cache: &CudaKvCache, layer: usize) -> Result<()> {
+    if layer >= cache.shape.num_layers {
+        return internal(format!("layer {layer} of a {}-layer KV cache", cache.shape.num_layers));
+    }
+    if (shape.num_kv_heads, shape.head_dim) != (cache.shape.num_kv_heads, cache.shape.head_dim) {
+        return internal(format!("attention shape {shape:?} does not match KV cache {:?}", cache.shape));
+    }
+    if qkv.cols != shape.qkv_width() || qkv.rows != batch.n_tokens {
+        return internal(format!("qkv is [{}, {}] for {} tokens of width {}", qkv.rows, qkv.cols, batch.n_tokens, shape.qkv_width()));
+    }
+    Ok(())
+}

@@ -1,0 +1,29 @@
+//! The CUDA backend (cudarc, dynamically loaded): bf16 weights and activations, kernels from kernels/*.cu
+//! embedded as PTX, cuBLAS for large GEMMs, GPU sampling and decode CUDA graphs. On a machine without a CUDA
+//! driver every entry point returns `Error::Device`; nothing here panics for lack of a GPU.
+
+pub mod backend;
+pub mod blas;
+pub mod device;
+pub mod runner;
+pub mod sampler;
+
+pub use backend::CudaBackend;
+pub use runner::CudaRunner;
+
+use crate::error::Result;
+use crate::model::llama::LlamaModel;
+use crate::model::loader::WeightSource;
+use crate::model::{ModelConfig, ModelRunner};
+
+/// Whether the CUDA backend can run here: kernels were built in and a driver sees at least one GPU.
+pub fn available() -> bool {
+    !device::PTX_MODULES.is_empty() && device::device_count() > 0
+}
+
+/// Load a Llama-family model onto `cuda:ordinal`.
+pub fn build_runner(config: &ModelConfig, weights: &dyn WeightSource, ordinal: usize) -> Result<Box<dyn ModelRunner>> {
+    let backend = CudaBackend::new(ordinal)?;
+    let model = LlamaModel::load(backend.clone(), config, weights)?;
+    Ok(Box::new(CudaRunner::new(model, backend)))
+}

