@@ -74,6 +74,7 @@ def main() -> None:
     ap.add_argument("--shapes", nargs="*", default=["smollm2", "qwen3", "llama1b"])
     ap.add_argument("--batches", nargs="*", type=int, default=[1, 8, 64, 256])
     ap.add_argument("--hf-batches", nargs="*", type=int, default=[1, 64])
+    ap.add_argument("--gemv-sweep", nargs="*", type=int, default=[])
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--new", type=int, default=256)
     args = ap.parse_args()
@@ -88,6 +89,13 @@ def main() -> None:
             hf = peer.get(b)
             rows.append((shape, b, ours[b]["ms_step"], ours[b]["tok_s"], hf["ms_step"] if hf else None, hf["tok_s"] if hf else None))
             print(rows[-1], flush=True)
+    # GEMV-vs-cuBLAS crossover at small batches (STEPLLM_GEMV_MAX_ROWS: 0 = cuBLAS only).
+    import os
+
+    for rows_limit in args.gemv_sweep:
+        os.environ["STEPLLM_GEMV_MAX_ROWS"] = str(rows_limit)
+        r = stepllm_run(gpu_models.make(args.shapes[0], Path(args.models)), [1, 2, 4, 8], args.prompt, 64)
+        print(f"gemv<= {rows_limit}: " + ", ".join(f"b{b} {r[b]['ms_step']:.3f} ms" for b in [1, 2, 4, 8]), flush=True)
     print("\n| shape | batch | stepllm ms/step | stepllm tok/s | transformers ms/step | transformers tok/s |")
     print("|---|---|---|---|---|---|")
     for s, b, ms, ts, hms, hts in rows:

@@ -129,8 +129,10 @@ class ProgressBar:
         self.last = pct
         filled = self.width * done // max(total, 1)
         bar = "#" * filled + "-" * (self.width - filled)
-        end = "\n" if done >= total else ""
-        print(f"\r{self.label} [{bar}] {pct:3d}%", end=end, file=sys.stderr, flush=True)
+        if self.tty:  # redraw one line in place
+            print(f"\r{self.label} [{bar}] {pct:3d}%", end="\n" if done >= total else "", file=sys.stderr, flush=True)
+        else:  # logs get whole lines
+            print(f"{self.label} [{bar}] {pct:3d}%", file=sys.stderr, flush=True)
 
 
 def stream_to_stdout(engine: Engine, request: _core.GenerationRequest) -> tuple[_core.GenerationResponse, float, float]:
@@ -228,8 +230,17 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    print("stepllm serve: the OpenAI-compatible server is not built yet", file=sys.stderr)
-    return EXIT_USAGE
+    try:
+        from .server import serve
+    except ImportError as e:
+        print(f"stepllm serve needs the server packages ({e.name or e}); pip install 'stepllm[serve]'", file=sys.stderr)
+        return EXIT_FAILURE
+    if args.max_waiting < 0:
+        raise ValueError("--max-waiting must be >= 0")
+    with open_engine(args) as engine:
+        print(f"serving {Path(engine.info()['source']).name} on http://{args.host}:{args.port}/v1", file=sys.stderr)
+        serve(engine, args.host, args.port, api_key=args.api_key, max_waiting=args.max_waiting)
+    return 0
 
 
 if __name__ == "__main__":

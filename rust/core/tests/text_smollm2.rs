@@ -51,16 +51,7 @@ fn smollm2_gguf() -> Result<PathBuf, String> {
 }
 
 fn vocab_of(gguf: &GgufModel) -> BpeVocab {
-    let v = gguf.vocab().unwrap();
-    BpeVocab {
-        tokens: v.tokens,
-        merges: v.merges,
-        token_types: v.token_types,
-        bos_id: v.bos_id,
-        eos_id: v.eos_id,
-        add_bos: v.add_bos,
-        pre: v.pre,
-    }
+    gguf.vocab().unwrap()
 }
 
 #[test]

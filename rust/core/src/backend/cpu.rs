@@ -1,21 +1,37 @@
-//! The CPU backend: exact f32 compute, multithreaded (gemm for matmuls, rayon for the rest). It is the
-//! reference every GPU kernel is checked against, so it favours plain, exact arithmetic.
+//! The CPU backend: f32 compute, multithreaded (SIMD kernels and gemm for matmuls, rayon for the rest).
+//! With f32 weights (the default) it is exact and the reference every GPU kernel is checked against; bf16
+//! or int8 weights halve or quarter the bytes a decode step streams, still multiplied and summed in f32.
 
 use super::batch::BatchPlan;
 use super::cpu_attention::{self, CpuKvCache};
 use super::cpu_kernels::{for_each_row, rms_norm_row, silu, PARALLEL_ELEMENTS};
-use super::cpu_matmul::matmul_transposed;
+use super::cpu_matmul::{f32_to_bf16, matmul_transposed, quantize_row_int8, Kernels, Weights};
 use super::{AttentionShape, Backend, KvCacheShape};
 use crate::error::{Error, Result};
 use crate::model::loader::HostTensor;
 use rayon::prelude::*;
 
-/// How the CPU backend keeps weight matrices in memory. Only exact f32 today; a compact format (bf16,
-/// int8) is a new variant here plus a matmul for it in [`CpuMatrix`], with no change to the model code.
+/// How the CPU backend keeps weight matrices (linear layers and the embedding table) in memory. Norm
+/// weights, biases, activations and the KV cache stay f32 in every format.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum CpuWeightFormat {
+    /// Exact: the checkpoint's values.
     #[default]
     F32,
+    /// Rounded to bf16 (nearest even): half the bytes, about 3 significant digits per weight.
+    Bf16,
+    /// Symmetric int8 with one f32 scale per weight row: a quarter of the bytes, coarser still.
+    Int8,
+}
+
+impl CpuWeightFormat {
+    pub fn name(self) -> &'static str {
+        match self {
+            CpuWeightFormat::F32 => "f32",
+            CpuWeightFormat::Bf16 => "bf16",
+            CpuWeightFormat::Int8 => "int8",
+        }
+    }
 }
 
 #[derive(Debug, Clone, Default)]
@@ -77,6 +93,8 @@ pub struct CpuMatrix {
 #[derive(Debug, Clone)]
 enum MatrixStorage {
     F32(Vec<f32>),
+    Bf16(Vec<u16>),
+    Int8 { values: Vec<i8>, scales: Vec<f32> },
 }
 
 impl CpuMatrix {
@@ -88,17 +106,21 @@ impl CpuMatrix {
         self.cols
     }
 
-    fn copy_row(&self, r: usize, out: &mut [f32]) {
+    fn weights(&self) -> Weights<'_> {
         match &self.storage {
-            MatrixStorage::F32(data) => out.copy_from_slice(&data[r * self.cols..(r + 1) * self.cols]),
+            MatrixStorage::F32(data) => Weights::F32(data),
+            MatrixStorage::Bf16(data) => Weights::Bf16(data),
+            MatrixStorage::Int8 { values, scales } => Weights::Int8 { values, scales },
         }
+    }
+
+    fn copy_row(&self, r: usize, out: &mut [f32]) {
+        self.weights().row_to_f32(r, out)
     }
 
     /// `out[m, rows] = x[m, cols] · selfᵀ`.
     fn multiply_transposed(&self, x: &[f32], m: usize, out: &mut [f32]) {
-        match &self.storage {
-            MatrixStorage::F32(data) => matmul_transposed(x, data, out, m, self.cols, self.rows),
-        }
+        matmul_transposed(x, self.weights(), out, m, self.cols, self.rows)
     }
 }
 
@@ -113,9 +135,11 @@ impl Backend for CpuBackend {
     type Batch = BatchPlan;
 
     fn description(&self) -> String {
-        match self.weight_format {
-            CpuWeightFormat::F32 => format!("cpu (f32, {} threads)", rayon::current_num_threads()),
-        }
+        let weights = match self.weight_format {
+            CpuWeightFormat::F32 => "f32".to_string(),
+            other => format!("{} weights, f32 compute", other.name()),
+        };
+        format!("cpu ({weights}, {} threads, {} kernels)", rayon::current_num_threads(), Kernels::detect().name())
     }
 
     fn upload_matrix(&self, host: HostTensor) -> Result<CpuMatrix> {
@@ -125,6 +149,16 @@ impl Backend for CpuBackend {
         check_host_len(&host)?;
         let storage = match self.weight_format {
             CpuWeightFormat::F32 => MatrixStorage::F32(host.data),
+            CpuWeightFormat::Bf16 => MatrixStorage::Bf16(host.data.par_iter().map(|&w| f32_to_bf16(w)).collect()),
+            CpuWeightFormat::Int8 => {
+                let mut values = vec![0i8; host.data.len()];
+                let mut scales = vec![0f32; rows];
+                if cols > 0 {
+                    let rows_in = host.data.par_chunks(cols).zip(values.par_chunks_mut(cols));
+                    rows_in.zip(scales.par_iter_mut()).for_each(|((w, q), s)| *s = quantize_row_int8(w, q));
+                }
+                MatrixStorage::Int8 { values, scales }
+            }
         };
         Ok(CpuMatrix { rows, cols, storage })
     }

@@ -1,15 +1,22 @@
-//! `out = x · wᵀ` for f32, with the weight `w` row-major `[n, k]` as Hugging Face stores it.
+//! `out = x · wᵀ`, with the weight `w` row-major `[n, k]` as Hugging Face stores it, in one of three
+//! in-memory formats: exact f32, bf16 (f32 with the low 16 mantissa bits rounded off) or int8 with one f32
+//! scale per weight row. Activations and accumulation are f32 in every format.
 //!
-//! Three regimes, measured on a 2-core AVX2 machine with SmolLM2-135M shapes:
-//! - one row (batch-1 decode): `gemm`'s gemv, output columns split across threads;
-//! - a few rows (batched decode, short chunks): `gemm` packs the whole weight on every call, which costs
-//!   more than the product, so a register-tiled AVX2/FMA kernel streams the weight once instead;
-//! - many rows (prefill): `gemm` with its own packing and threading.
+//! Regimes, measured on 2-core AVX2 and AVX-512 machines with SmolLM2-135M shapes:
+//! - f32, many rows (prefill): `gemm` with its own packing and threading;
+//! - f32, one row (batch-1 decode) without AVX-512: `gemm`'s gemv, output columns split across threads;
+//! - everything else: a register-tiled kernel (`cpu_matmul_x86`, AVX-512 or AVX2/FMA, picked at run time)
+//!   that streams each weight row once per panel of x rows and widens bf16/int8 weights in registers.
+//!   Without AVX2 the compact formats take a portable path (widen one weight row, dot it with every x row).
 
 use gemm::{gemm, Parallelism};
 use rayon::prelude::*;
+use std::sync::OnceLock;
 
-/// Up to this many rows the tiled kernel beats `gemm` (measured; they meet near 192).
+use super::cpu_kernels::dot;
+use super::cpu_matmul_x86 as x86;
+
+/// Up to this many rows the tiled kernel beats `gemm` for f32 (measured; they meet near 192 with AVX2).
 const TILED_MAX_ROWS: usize = 64;
 
 /// Column chunks are multiples of this: a cache line of weight rows, and a multiple of every tile width.
@@ -21,9 +28,129 @@ const PARALLEL_MACS: usize = 1 << 16;
 /// Parallel chunks per thread, so a thread slowed by another process does not hold up the whole matmul.
 const CHUNKS_PER_THREAD: usize = 4;
 
+/// A weight matrix `[n, k]` in one of the CPU formats.
+#[derive(Debug, Clone, Copy)]
+pub enum Weights<'a> {
+    F32(&'a [f32]),
+    /// bf16 bit patterns: the high half of the f32 they stand for.
+    Bf16(&'a [u16]),
+    /// `w[c, i] = values[c * k + i] * scales[c]`.
+    Int8 { values: &'a [i8], scales: &'a [f32] },
+}
+
+impl Weights<'_> {
+    fn len(&self) -> usize {
+        match self {
+            Weights::F32(w) => w.len(),
+            Weights::Bf16(w) => w.len(),
+            Weights::Int8 { values, .. } => values.len(),
+        }
+    }
+
+    /// Row `r` (of width `out.len()`) widened to f32.
+    pub fn row_to_f32(&self, r: usize, out: &mut [f32]) {
+        let k = out.len();
+        match self {
+            Weights::F32(w) => out.copy_from_slice(&w[r * k..(r + 1) * k]),
+            Weights::Bf16(w) => {
+                for (o, &b) in out.iter_mut().zip(&w[r * k..(r + 1) * k]) {
+                    *o = bf16_to_f32(b);
+                }
+            }
+            Weights::Int8 { values, scales } => {
+                let scale = scales[r];
+                for (o, &q) in out.iter_mut().zip(&values[r * k..(r + 1) * k]) {
+                    *o = q as f32 * scale;
+                }
+            }
+        }
+    }
+}
+
+#[inline(always)]
+pub fn bf16_to_f32(b: u16) -> f32 {
+    f32::from_bits((b as u32) << 16)
+}
+
+/// Round to nearest, ties to even (as torch's `.to(torch.bfloat16)`); NaN stays NaN.
+pub fn f32_to_bf16(x: f32) -> u16 {
+    half::bf16::from_f32(x).to_bits()
+}
+
+/// Symmetric per-row int8: `scale = max |w| / 127`, `q = round(w / scale)`; returns the scale. A row
+/// holding inf or NaN gets a NaN scale, so its outputs are NaN as they would be in f32.
+pub fn quantize_row_int8(row: &[f32], out: &mut [i8]) -> f32 {
+    if row.iter().any(|w| !w.is_finite()) {
+        out.fill(0);
+        return f32::NAN;
+    }
+    let max = row.iter().fold(0.0f32, |m, &w| m.max(w.abs()));
+    if max == 0.0 {
+        out.fill(0);
+        return 0.0;
+    }
+    let inv = 127.0 / max;
+    for (q, &w) in out.iter_mut().zip(row) {
+        *q = (w * inv).round().clamp(-127.0, 127.0) as i8;
+    }
+    max / 127.0
+}
+
+/// Which SIMD kernels run; chosen once from the CPU's features, or forced with the environment variable
+/// `STEPLLM_CPU_KERNELS=avx512|avx2|portable` (for benchmarks and tests of the slower paths).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kernels {
+    Portable,
+    Avx2,
+    Avx512,
+}
+
+impl Kernels {
+    pub fn detect() -> Kernels {
+        static CHOSEN: OnceLock<Kernels> = OnceLock::new();
+        *CHOSEN.get_or_init(|| {
+            let best = Self::supported().last().copied().unwrap_or(Kernels::Portable);
+            match std::env::var("STEPLLM_CPU_KERNELS").ok().as_deref() {
+                Some("portable") => Kernels::Portable,
+                Some("avx2") if Self::supported().contains(&Kernels::Avx2) => Kernels::Avx2,
+                _ => best,
+            }
+        })
+    }
+
+    /// Every kernel set this CPU can run, slowest first.
+    pub fn supported() -> Vec<Kernels> {
+        let mut all = vec![Kernels::Portable];
+        if x86::avx2_available() {
+            all.push(Kernels::Avx2);
+        }
+        if x86::avx512_available() {
+            all.push(Kernels::Avx512);
+        }
+        all
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Kernels::Portable => "portable",
+            Kernels::Avx2 => "avx2",
+            Kernels::Avx512 => "avx512",
+        }
+    }
+}
+
 /// `out[m, n] = x[m, k] · w[n, k]ᵀ`, every matrix row-major and contiguous.
-pub fn matmul_transposed(x: &[f32], w: &[f32], out: &mut [f32], m: usize, k: usize, n: usize) {
+pub fn matmul_transposed(x: &[f32], w: Weights, out: &mut [f32], m: usize, k: usize, n: usize) {
+    matmul_with(Kernels::detect(), x, w, out, m, k, n)
+}
+
+/// [`matmul_transposed`] with the kernel set given (it must be one of [`Kernels::supported`]).
+pub fn matmul_with(kernels: Kernels, x: &[f32], w: Weights, out: &mut [f32], m: usize, k: usize, n: usize) {
     assert!(x.len() >= m * k && w.len() >= n * k && out.len() >= m * n, "matmul operand too small");
+    if let Weights::Int8 { scales, .. } = w {
+        assert!(scales.len() >= n, "int8 matmul needs one scale per weight row");
+    }
+    assert!(Kernels::supported().contains(&kernels), "{kernels:?} kernels are not supported by this CPU");
     if m == 0 || n == 0 {
         return;
     }
@@ -31,19 +158,30 @@ pub fn matmul_transposed(x: &[f32], w: &[f32], out: &mut [f32], m: usize, k: usi
         out[..m * n].fill(0.0);
         return;
     }
-    if m > TILED_MAX_ROWS {
-        // SAFETY: the assert above bounds every access of the full product.
-        unsafe { gemm_columns(x, w.as_ptr(), out.as_mut_ptr(), m, k, n, n, Parallelism::Rayon(0)) };
-    } else if m > 1 && tiled::available() {
-        for_column_chunks(out, m, k, n, |out, c0, c1| {
-            // SAFETY: the chunk is inside the asserted bounds; chunks write disjoint columns.
-            unsafe { tiled::columns(x, w, out, m, k, n, c0, c1) }
-        });
-    } else {
-        for_column_chunks(out, m, k, n, |out, c0, c1| {
-            // SAFETY: as above.
-            unsafe { gemm_columns(x, w.as_ptr().add(c0 * k), out.add(c0), m, k, c1 - c0, n, Parallelism::None) }
-        });
+    match w {
+        Weights::F32(w) if m > TILED_MAX_ROWS => {
+            // SAFETY: the assert above bounds every access of the full product.
+            unsafe { gemm_columns(x, w.as_ptr(), out.as_mut_ptr(), m, k, n, n, Parallelism::Rayon(0)) };
+        }
+        Weights::F32(w) if kernels == Kernels::Portable || (m == 1 && kernels == Kernels::Avx2) => {
+            for_column_chunks(out, m, k, n, |out, c0, c1| {
+                // SAFETY: the chunk is inside the asserted bounds; chunks write disjoint columns.
+                unsafe { gemm_columns(x, w.as_ptr().add(c0 * k), out.add(c0), m, k, c1 - c0, n, Parallelism::None) }
+            });
+        }
+        w if kernels == Kernels::Portable => {
+            for_column_chunks(out, m, k, n, |out, c0, c1| {
+                // SAFETY: as above.
+                unsafe { portable_columns(x, w, out, m, k, n, c0, c1) }
+            });
+        }
+        w => {
+            let wide = kernels == Kernels::Avx512;
+            for_column_chunks(out, m, k, n, |out, c0, c1| {
+                // SAFETY: as above; the CPU runs `kernels` (asserted).
+                unsafe { x86::columns(wide, x, w, out, m, k, n, c0, c1) }
+            });
+        }
     }
 }
 
@@ -61,6 +199,21 @@ fn for_column_chunks(out: &mut [f32], m: usize, k: usize, n: usize, f: impl Fn(*
         let c0 = c * chunk;
         f(out.get(), c0, (c0 + chunk).min(n));
     });
+}
+
+/// Columns `c0..c1` without SIMD intrinsics: widen one weight row at a time, then dot it with every x row.
+///
+/// # Safety
+/// `out` must be writable at `r * n + c` for r < m, c0 <= c < c1; the weight must hold `c1` rows.
+#[allow(clippy::too_many_arguments)]
+unsafe fn portable_columns(x: &[f32], w: Weights, out: *mut f32, m: usize, k: usize, n: usize, c0: usize, c1: usize) {
+    let mut row = vec![0.0f32; k];
+    for c in c0..c1 {
+        w.row_to_f32(c, &mut row);
+        for r in 0..m {
+            *out.add(r * n + c) = dot(&x[r * k..(r + 1) * k], &row);
+        }
+    }
 }
 
 /// `out[:, 0..cols] = x · w[0..cols, :]ᵀ` where `out` rows are `out_stride` apart.
@@ -102,124 +255,6 @@ impl SendPtr {
     }
 }
 
-#[cfg(target_arch = "x86_64")]
-mod tiled {
-    use std::arch::x86_64::*;
-
-    /// Checked at run time, so a build without `-C target-cpu` still uses the kernel where it can.
-    pub fn available() -> bool {
-        is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")
-    }
-
-    /// Weight rows per block: a block (12 rows x k) stays in L1 while every tile of x rows passes over it.
-    const BLOCK_COLUMNS: usize = 12;
-
-    /// Columns `c0..c1` of `out[m, n] = x[m, k] · w[n, k]ᵀ`.
-    ///
-    /// # Safety
-    /// The CPU must have AVX2 and FMA; `x`, `w` must hold `m * k` and `c1 * k` values; `out` must be
-    /// writable at `r * n + c` for r < m, c0 <= c < c1.
-    #[allow(clippy::too_many_arguments)]
-    #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn columns(x: &[f32], w: &[f32], out: *mut f32, m: usize, k: usize, n: usize, c0: usize, c1: usize) {
-        let (x, w) = (x.as_ptr(), w.as_ptr());
-        let mut block = c0;
-        while block < c1 {
-            let block_end = (block + BLOCK_COLUMNS).min(c1);
-            let mut row = 0;
-            while row < m {
-                // Each shape keeps 8-12 accumulators: enough independent FMAs to hide their latency
-                // without spilling the 16 ymm registers.
-                let rows = (m - row).min(4);
-                let at = Tiles { x: x.add(row * k), w, out: out.add(row * n), k, n };
-                match rows {
-                    4 => at.run::<4, 3>(block, block_end),
-                    3 => at.run::<3, 4>(block, block_end),
-                    2 => at.run::<2, 6>(block, block_end),
-                    _ => at.run::<1, 8>(block, block_end),
-                }
-                row += rows;
-            }
-            block = block_end;
-        }
-    }
-
-    /// R rows of x (from `x`) against weight columns, writing `out` rows `n` apart.
-    struct Tiles {
-        x: *const f32,
-        w: *const f32,
-        out: *mut f32,
-        k: usize,
-        n: usize,
-    }
-
-    impl Tiles {
-        #[inline(always)]
-        unsafe fn run<const R: usize, const C: usize>(&self, c0: usize, c1: usize) {
-            let mut c = c0;
-            while c + C <= c1 {
-                self.tile::<R, C>(c);
-                c += C;
-            }
-            while c < c1 {
-                self.tile::<R, 1>(c);
-                c += 1;
-            }
-        }
-
-        /// Dot products of R x rows with C weight rows starting at weight row `c`.
-        #[inline(always)]
-        unsafe fn tile<const R: usize, const C: usize>(&self, c: usize) {
-            let (k, w) = (self.k, self.w.add(c * self.k));
-            let mut acc = [[_mm256_setzero_ps(); C]; R];
-            let k8 = k / 8 * 8;
-            let mut p = 0;
-            while p < k8 {
-                let mut wv = [_mm256_setzero_ps(); C];
-                for (j, v) in wv.iter_mut().enumerate() {
-                    *v = _mm256_loadu_ps(w.add(j * k + p));
-                }
-                for (r, acc_row) in acc.iter_mut().enumerate() {
-                    let xv = _mm256_loadu_ps(self.x.add(r * k + p));
-                    for (a, v) in acc_row.iter_mut().zip(&wv) {
-                        *a = _mm256_fmadd_ps(xv, *v, *a);
-                    }
-                }
-                p += 8;
-            }
-            for (r, acc_row) in acc.iter().enumerate() {
-                for (j, a) in acc_row.iter().enumerate() {
-                    let mut sum = horizontal_sum(*a);
-                    for q in k8..k {
-                        sum += *self.x.add(r * k + q) * *w.add(j * k + q);
-                    }
-                    *self.out.add(r * self.n + c + j) = sum;
-                }
-            }
-        }
-    }
-
-    #[inline(always)]
-    unsafe fn horizontal_sum(v: __m256) -> f32 {
-        let pairs = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-        let quads = _mm_add_ps(pairs, _mm_movehl_ps(pairs, pairs));
-        _mm_cvtss_f32(_mm_add_ss(quads, _mm_shuffle_ps(quads, quads, 1)))
-    }
-}
-
-/// Other architectures take the `gemm` path for every shape.
-#[cfg(not(target_arch = "x86_64"))]
-mod tiled {
-    pub fn available() -> bool {
-        false
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    pub unsafe fn columns(_: &[f32], _: &[f32], _: *mut f32, _: usize, _: usize, _: usize, _: usize, _: usize) {
-        unreachable!("tiled::available() is false off x86_64")
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -234,17 +269,96 @@ mod tests {
         out
     }
 
+    const SHAPES: [(usize, usize, usize); 11] = [
+        (1, 37, 101),
+        (2, 64, 130),
+        (3, 9, 50),
+        (5, 8, 3),
+        (7, 100, 300),
+        (8, 576, 97),
+        (9, 17, 49),
+        (13, 48, 72),
+        (70, 33, 70),
+        (1, 576, 2000),
+        (150, 130, 61),
+    ];
+
+    fn inputs(m: usize, k: usize, n: usize) -> (Vec<f32>, Vec<f32>) {
+        let x = (0..m * k).map(|i| ((i * 7 % 13) as f32 - 6.0) / 5.0).collect();
+        let w = (0..n * k).map(|i| ((i * 5 % 11) as f32 - 5.0) / 4.0 + (i % 3) as f32 * 1e-3).collect();
+        (x, w)
+    }
+
+    fn check(out: &[f32], reference: &[f32], tolerance: f32, what: &str) {
+        for (a, b) in out.iter().zip(reference) {
+            assert!((a - b).abs() <= tolerance * b.abs().max(1.0), "{what}: {a} vs {b}");
+        }
+    }
+
     #[test]
-    fn every_regime_matches_naive() {
-        let shapes = [(1, 37, 101), (2, 64, 130), (3, 9, 50), (5, 8, 3), (7, 100, 300), (8, 576, 97), (70, 33, 70)];
-        for (m, k, n) in shapes {
-            let x: Vec<f32> = (0..m * k).map(|i| ((i * 7 % 13) as f32 - 6.0) / 5.0).collect();
-            let w: Vec<f32> = (0..n * k).map(|i| ((i * 5 % 11) as f32 - 5.0) / 4.0).collect();
-            let mut out = vec![f32::NAN; m * n];
-            matmul_transposed(&x, &w, &mut out, m, k, n);
-            for (a, b) in out.iter().zip(naive(&x, &w, m, k, n)) {
-                assert!((a - b).abs() <= 1e-4 * b.abs().max(1.0), "{a} vs {b} at m={m} k={k} n={n}");
+    fn f32_matches_naive_with_every_kernel_set() {
+        for kernels in Kernels::supported() {
+            for (m, k, n) in SHAPES {
+                let (x, w) = inputs(m, k, n);
+                let mut out = vec![f32::NAN; m * n];
+                matmul_with(kernels, &x, Weights::F32(&w), &mut out, m, k, n);
+                check(&out, &naive(&x, &w, m, k, n), 1e-4, &format!("{kernels:?} f32 m={m} k={k} n={n}"));
             }
         }
+    }
+
+    /// The bf16 kernels compute exactly the product with the rounded weights (up to f32 summation order).
+    #[test]
+    fn bf16_matches_naive_over_rounded_weights() {
+        for kernels in Kernels::supported() {
+            for (m, k, n) in SHAPES {
+                let (x, w) = inputs(m, k, n);
+                let bits: Vec<u16> = w.iter().map(|&v| f32_to_bf16(v)).collect();
+                let rounded: Vec<f32> = bits.iter().map(|&b| bf16_to_f32(b)).collect();
+                let mut out = vec![f32::NAN; m * n];
+                matmul_with(kernels, &x, Weights::Bf16(&bits), &mut out, m, k, n);
+                let what = format!("{kernels:?} bf16 m={m} k={k} n={n}");
+                check(&out, &naive(&x, &rounded, m, k, n), 1e-4, &what);
+                // and stays within bf16's precision of the f32 product
+                check(&out, &naive(&x, &w, m, k, n), 1e-2, &what);
+            }
+        }
+    }
+
+    #[test]
+    fn int8_matches_naive_over_dequantized_weights() {
+        for kernels in Kernels::supported() {
+            for (m, k, n) in SHAPES {
+                let (x, w) = inputs(m, k, n);
+                let mut values = vec![0i8; n * k];
+                let scales: Vec<f32> =
+                    (0..n).map(|c| quantize_row_int8(&w[c * k..(c + 1) * k], &mut values[c * k..(c + 1) * k])).collect();
+                let dequantized: Vec<f32> = (0..n * k).map(|i| values[i] as f32 * scales[i / k]).collect();
+                let mut out = vec![f32::NAN; m * n];
+                matmul_with(kernels, &x, Weights::Int8 { values: &values, scales: &scales }, &mut out, m, k, n);
+                let what = format!("{kernels:?} int8 m={m} k={k} n={n}");
+                check(&out, &naive(&x, &dequantized, m, k, n), 1e-4, &what);
+            }
+        }
+    }
+
+    #[test]
+    fn bf16_rounds_to_nearest_even() {
+        assert_eq!(f32_to_bf16(1.0), 0x3f80);
+        assert_eq!(f32_to_bf16(f32::from_bits(0x3f80_8000)), 0x3f80); // tie, even stays
+        assert_eq!(f32_to_bf16(f32::from_bits(0x3f81_8000)), 0x3f82); // tie, odd rounds up
+        assert_eq!(f32_to_bf16(f32::from_bits(0x3f80_8001)), 0x3f81);
+        assert!(bf16_to_f32(f32_to_bf16(f32::NAN)).is_nan());
+    }
+
+    #[test]
+    fn int8_rows_keep_their_extremes() {
+        let row = [0.5, -2.0, 1.0, 0.0];
+        let mut q = [0i8; 4];
+        let scale = quantize_row_int8(&row, &mut q);
+        assert_eq!(q, [32, -127, 64, 0]);
+        assert!((scale - 2.0 / 127.0).abs() < 1e-9);
+        assert_eq!(quantize_row_int8(&[0.0; 3], &mut q[..3]), 0.0);
+        assert_eq!(&q[..3], &[0, 0, 0]);
     }
 }

@@ -12,9 +12,10 @@ pub mod cuda;
 mod cpu_attention;
 mod cpu_kernels;
 mod cpu_matmul;
+mod cpu_matmul_x86;
 
 pub use batch::{BatchPlan, PlannedSeq};
-pub use cpu::CpuBackend;
+pub use cpu::{CpuBackend, CpuWeightFormat};
 
 use crate::error::Result;
 use crate::model::loader::HostTensor;
@@ -154,4 +155,15 @@ pub trait Backend: Send + Sized + 'static {
     fn select_logits_rows(&self, x: &Self::Tensor, batch: &Self::Batch, out: &mut Self::Tensor) -> Result<()>;
     /// Row-major copy of the whole tensor into `out` (replacing its contents).
     fn copy_to_host(&self, x: &Self::Tensor, out: &mut Vec<f32>) -> Result<()>;
+}
+
+/// Overwrite a CPU activation's values in place, keeping its shape: the host-side tensor-parallel
+/// collectives (`parallel::CpuRankHooks`) write their all-reduced result back through this.
+pub(crate) fn overwrite_cpu_tensor(t: &mut CpuTensor, data: &[f32]) -> Result<()> {
+    let values = t.as_mut_slice();
+    if values.len() != data.len() {
+        return Err(crate::Error::Internal(format!("a tensor of {} values cannot take {} values", values.len(), data.len())));
+    }
+    values.copy_from_slice(data);
+    Ok(())
 }

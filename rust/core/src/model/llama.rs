@@ -6,6 +6,7 @@ use crate::backend::{AttentionShape, Backend, BatchPlan, CpuBackend, KvCacheShap
 use crate::error::{load_err, protocol, Error, Result};
 use crate::model::loader::{HostTensor, WeightSource};
 use crate::model::{Device, ForwardBatch, ModelConfig, ModelRunner};
+use crate::parallel::TensorParallelHooks;
 
 /// Load a model from Hugging Face-named weights onto `device`.
 pub fn build_runner(config: &ModelConfig, weights: &dyn WeightSource, device: Device) -> Result<Box<dyn ModelRunner>> {
@@ -28,6 +29,20 @@ pub struct LlamaModel<B: Backend> {
     kv_cache: Option<(B::KvCache, KvCacheShape)>,
     batch: B::Batch,
     scratch: Scratch<B>,
+    /// Logits rows the current step wants.
+    rows_wanted: usize,
+    /// Set when this model is one rank of a tensor-parallel group (`config` is then the rank's shard).
+    tp: Option<TensorParallel<B>>,
+}
+
+/// One rank's part in tensor parallelism: the collectives and what the whole model looks like.
+struct TensorParallel<B: Backend> {
+    hooks: Box<dyn TensorParallelHooks<B>>,
+    full_config: ModelConfig,
+    /// First vocab id of this rank's embedding / LM-head shard.
+    vocab_start: usize,
+    /// The batch with token ids mapped into this rank's embedding shard (the zero row for foreign ids).
+    embed_batch: B::Batch,
 }
 
 struct DecoderLayer<B: Backend> {
@@ -78,15 +93,41 @@ impl<B: Backend> Scratch<B> {
 impl<B: Backend> LlamaModel<B> {
     /// Read, shape-check and upload every weight.
     pub fn load(backend: B, config: &ModelConfig, weights: &dyn WeightSource) -> Result<Self> {
+        Self::load_inner(backend, config, weights, None)
+    }
+
+    /// Load one rank of a tensor-parallel group: `local_config` and `shard` describe this rank's slice
+    /// (see `parallel::shard`), `full_config` the whole model, `hooks` the collectives among the ranks.
+    pub fn load_rank(
+        backend: B,
+        full_config: &ModelConfig,
+        local_config: &ModelConfig,
+        shard: &dyn WeightSource,
+        vocab_start: usize,
+        hooks: Box<dyn TensorParallelHooks<B>>,
+    ) -> Result<Self> {
+        let embed_batch = backend.new_batch();
+        let tp = TensorParallel { hooks, full_config: full_config.clone(), vocab_start, embed_batch };
+        Self::load_inner(backend, local_config, shard, Some(tp))
+    }
+
+    fn load_inner(backend: B, config: &ModelConfig, weights: &dyn WeightSource, tp: Option<TensorParallel<B>>) -> Result<Self> {
         config.validate()?;
         let mut reader = WeightReader { source: weights, backend: &backend, parameters: 0 };
         let (vocab, hidden) = (config.vocab_size, config.hidden_size);
-        let embed_tokens = reader.matrix("model.embed_tokens.weight", vocab, hidden)?;
         // transformers ignores a stored lm_head when embeddings are tied; without one, tying is the only option.
-        let lm_head = if config.tie_word_embeddings || !weights.has("lm_head.weight") {
-            None
+        let tied = config.tie_word_embeddings || !weights.has("lm_head.weight");
+        let (embed_tokens, lm_head) = if tp.is_some() {
+            // A vocab shard gets one extra zero row: ids owned by other ranks embed to zero before the all-reduce.
+            let mut table = reader.read("model.embed_tokens.weight", &[vocab, hidden])?;
+            let head = if tied { table.clone() } else { reader.read("lm_head.weight", &[vocab, hidden])? };
+            table.shape[0] += 1;
+            table.data.extend(std::iter::repeat(0.0).take(hidden));
+            (backend.upload_matrix(table)?, Some(backend.upload_matrix(head)?))
         } else {
-            Some(reader.matrix("lm_head.weight", vocab, hidden)?)
+            let embed_tokens = reader.matrix("model.embed_tokens.weight", vocab, hidden)?;
+            let lm_head = if tied { None } else { Some(reader.matrix("lm_head.weight", vocab, hidden)?) };
+            (embed_tokens, lm_head)
         };
         let layers = (0..config.num_layers).map(|i| reader.decoder_layer(config, i)).collect::<Result<Vec<_>>>()?;
         let final_norm = reader.vector("model.norm.weight", hidden)?;
@@ -109,18 +150,29 @@ impl<B: Backend> LlamaModel<B> {
             kv_cache: None,
             batch: backend.new_batch(),
             scratch: Scratch::new(&backend),
+            rows_wanted: 0,
             backend,
+            tp,
         })
     }
 
     /// Every decoder layer over the embedded batch, leaving the final normed hidden states in `scratch.normed`.
     fn run_decoder(&mut self) -> Result<()> {
-        let Self { backend, layers, scratch: s, batch, attention, config, embed_tokens, final_norm, kv_cache, .. } = self;
+        let Self { backend, layers, scratch: s, batch, attention, config, embed_tokens, final_norm, kv_cache, tp, .. } = self;
         let Some((cache, _)) = kv_cache.as_mut() else {
             return protocol("allocate_kv_cache must be called before forward");
         };
         let eps = config.rms_norm_eps;
-        backend.embed(embed_tokens, batch, &mut s.residual)?;
+        // Under tensor parallelism each rank's partial sums (embedding shard, row-parallel o/down) are all-reduced.
+        let reduce = |backend: &B, x: &mut B::Tensor| match tp {
+            Some(tp) => tp.hooks.all_reduce(backend, x),
+            None => Ok(()),
+        };
+        match tp {
+            Some(tp) => backend.embed(embed_tokens, &tp.embed_batch, &mut s.residual)?,
+            None => backend.embed(embed_tokens, batch, &mut s.residual)?,
+        }
+        reduce(backend, &mut s.residual)?;
         for (index, layer) in layers.iter().enumerate() {
             // The first layer normalizes the embeddings; later ones first add the previous MLP's output.
             if index == 0 {
@@ -133,11 +185,13 @@ impl<B: Backend> LlamaModel<B> {
             backend.rope_and_write_kv(&mut s.qkv, qk_norm, attention, batch, cache, index)?;
             backend.paged_attention(&s.qkv, attention, batch, cache, index, &mut s.attention)?;
             backend.linear(&s.attention, &layer.o_proj, layer.o_bias.as_ref(), &mut s.block_output)?;
+            reduce(backend, &mut s.block_output)?;
 
             backend.add_rms_norm(&mut s.residual, &s.block_output, &layer.post_attention_norm, eps, &mut s.normed)?;
             backend.linear(&s.normed, &layer.gate_up_proj, None, &mut s.gate_up)?;
             backend.silu_mul(&s.gate_up, &mut s.activated)?;
             backend.linear(&s.activated, &layer.down_proj, None, &mut s.block_output)?;
+            reduce(backend, &mut s.block_output)?;
         }
         if layers.is_empty() {
             return backend.rms_norm(&s.residual, final_norm, eps, &mut s.normed);
@@ -153,13 +207,46 @@ impl<B: Backend> LlamaModel<B> {
         self.backend.linear(&s.selected, lm_head, None, &mut s.logits)?;
         let mut host = Vec::new();
         self.backend.copy_to_host(&s.logits, &mut host)?;
-        Ok(host)
+        match &self.tp {
+            // Vocab-parallel LM head: join every rank's columns in rank (= vocab) order.
+            Some(tp) => tp.hooks.all_gather_columns(host, self.batch_rows()),
+            None => Ok(host),
+        }
+    }
+
+    fn batch_rows(&self) -> usize {
+        self.rows_wanted
+    }
+
+    fn forward_local(&mut self, batch: &ForwardBatch) -> Result<Vec<f32>> {
+        let Some((_, shape)) = &self.kv_cache else {
+            return protocol("allocate_kv_cache must be called before forward");
+        };
+        let (block_size, num_blocks) = (shape.block_size, shape.num_blocks);
+        let vocab = self.tp.as_ref().map_or(self.config.vocab_size, |tp| tp.full_config.vocab_size);
+        let plan = BatchPlan::new(batch, block_size, num_blocks, vocab)?;
+        if plan.num_tokens() == 0 {
+            return Ok(Vec::new());
+        }
+        self.backend.upload_batch(&plan, &mut self.batch)?;
+        self.rows_wanted = batch.logits_for.len();
+        if let Some(tp) = &mut self.tp {
+            let (start, local) = (tp.vocab_start as u32, self.config.vocab_size as u32);
+            let mut mapped = batch.clone();
+            for t in &mut mapped.tokens {
+                *t = if (start..start + local).contains(t) { *t - start } else { local };
+            }
+            let plan = BatchPlan::new(&mapped, block_size, num_blocks, self.config.vocab_size + 1)?;
+            self.backend.upload_batch(&plan, &mut tp.embed_batch)?;
+        }
+        self.run_decoder()?;
+        self.logits()
     }
 }
 
 impl<B: Backend> ModelRunner for LlamaModel<B> {
     fn config(&self) -> &ModelConfig {
-        &self.config
+        self.tp.as_ref().map_or(&self.config, |tp| &tp.full_config)
     }
 
     fn allocate_kv_cache(&mut self, num_blocks: usize, block_size: usize) -> Result<()> {
@@ -181,16 +268,27 @@ impl<B: Backend> ModelRunner for LlamaModel<B> {
     }
 
     fn forward(&mut self, batch: &ForwardBatch) -> Result<Vec<f32>> {
-        let Some((_, shape)) = &self.kv_cache else {
-            return protocol("allocate_kv_cache must be called before forward");
-        };
-        let plan = BatchPlan::new(batch, shape.block_size, shape.num_blocks, self.config.vocab_size)?;
-        if plan.num_tokens() == 0 {
-            return Ok(Vec::new());
+        let result = self.forward_local(batch);
+        match (&self.tp, result) {
+            // A rank failing on its own wakes the others, who would otherwise wait for it in a collective.
+            (Some(tp), Err(e)) => Err(tp.hooks.fail(e)),
+            (_, result) => result,
         }
-        self.backend.upload_batch(&plan, &mut self.batch)?;
-        self.run_decoder()?;
-        self.logits()
+    }
+
+    /// Under tensor parallelism rank 0 samples and broadcasts the tokens, so every rank commits the same ones.
+    fn forward_and_sample(
+        &mut self,
+        batch: &ForwardBatch,
+        rows: &[crate::sampling::RowContext],
+    ) -> Result<Vec<crate::sampling::Sampled>> {
+        let mut logits = self.forward(batch)?;
+        let vocab = self.config().vocab_size;
+        let Some(tp) = &self.tp else {
+            return Ok(crate::sampling::sample_rows(&mut logits, vocab, rows));
+        };
+        let mine = (tp.hooks.rank() == 0).then(|| crate::sampling::sample_rows(&mut logits, vocab, rows));
+        tp.hooks.broadcast_sampled(mine)
     }
 
     fn device_description(&self) -> String {

@@ -15,8 +15,11 @@ use crate::backend::{AttentionShape, Backend, BatchPlan, KvCacheShape};
 use crate::error::{Error, Result};
 use crate::model::loader::HostTensor;
 
-/// Largest batch served by the GEMV kernels (one instantiation per row count).
+/// Largest batch the GEMV kernels can serve (one instantiation per row count).
 pub const GEMV_MAX_ROWS: usize = 8;
+/// Default largest batch sent to the GEMV kernels rather than cuBLAS; STEPLLM_GEMV_MAX_ROWS overrides it
+/// (0 = cuBLAS only), so the crossover can be measured on each GPU.
+const GEMV_DEFAULT_ROWS: usize = 4;
 /// Most blocks one (token, kv head) of attention is split over.
 const MAX_ATTENTION_SPLITS: usize = 16;
 
@@ -194,6 +197,7 @@ pub(super) struct Inner {
     pub gpu: Gpu,
     blas: Blas,
     kernels: Kernels,
+    gemv_max_rows: usize,
     pub state: Mutex<State>,
 }
 
@@ -208,7 +212,13 @@ impl CudaBackend {
         let gpu = Gpu::new(ordinal)?;
         let blas = Blas::new(&gpu)?;
         let kernels = Kernels::load(&gpu)?;
-        Ok(Self { inner: Arc::new(Inner { gpu, blas, kernels, state: Mutex::new(State::default()) }) })
+        let gemv_max_rows = std::env::var("STEPLLM_GEMV_MAX_ROWS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(GEMV_DEFAULT_ROWS)
+            .min(GEMV_MAX_ROWS);
+        let state = Mutex::new(State::default());
+        Ok(Self { inner: Arc::new(Inner { gpu, blas, kernels, gemv_max_rows, state }) })
     }
 
     pub fn gpu(&self) -> &Gpu {
@@ -472,7 +482,7 @@ impl Backend for CudaBackend {
         let (m, n, k) = (x.rows, weight.rows, weight.cols);
         self.ensure(out, m, n)?;
         let bias_ptr = bias.map_or(0, |b| b.buf.ptr());
-        if (1..=GEMV_MAX_ROWS).contains(&m) {
+        if (1..=self.inner.gemv_max_rows).contains(&m) {
             let (f, input) = match pending {
                 Some((gate_up, ..)) => (self.inner.kernels.gemv_silu[m - 1], gate_up),
                 None => (self.inner.kernels.gemv[m - 1], x.ptr()),
@@ -588,7 +598,7 @@ impl Backend for CudaBackend {
         }
         let half = gate_up.cols / 2;
         self.ensure(out, gate_up.rows, half)?;
-        if gate_up.rows <= GEMV_MAX_ROWS {
+        if gate_up.rows <= self.inner.gemv_max_rows {
             // Deferred: the down projection's GEMV computes silu(gate) * up as it reads its input.
             self.state().pending_silu = Some((gate_up.ptr(), out.ptr(), gate_up.rows, half));
             return Ok(());

@@ -10,6 +10,7 @@
 
 use super::gguf_quant::{self, GgmlType};
 use super::{HostTensor, WeightSource};
+use crate::text::tokenizer::BpeVocab;
 use crate::error::{load_err, Error, Result};
 use crate::model::config::{Architecture, ModelConfig};
 use memmap2::Mmap;
@@ -134,18 +135,6 @@ impl GgufTensorInfo {
     pub fn hf_shape(&self) -> Vec<usize> {
         self.dims.iter().rev().map(|&d| d as usize).collect()
     }
-}
-
-/// The tokenizer facts a byte-level BPE tokenizer needs (same fields as text::tokenizer::BpeVocab).
-#[derive(Debug, Clone, PartialEq)]
-pub struct GgufVocab {
-    pub tokens: Vec<String>,
-    pub merges: Vec<String>,
-    pub token_types: Vec<i32>,
-    pub bos_id: Option<u32>,
-    pub eos_id: Option<u32>,
-    pub add_bos: bool,
-    pub pre: Option<String>,
 }
 
 enum Bytes {
@@ -357,7 +346,7 @@ impl GgufModel {
     }
 
     /// The byte-level BPE vocabulary (`tokenizer.ggml.model` "gpt2").
-    pub fn vocab(&self) -> Result<GgufVocab> {
+    pub fn vocab(&self) -> Result<BpeVocab> {
         let model = self.required("tokenizer.ggml.model")?.as_str().unwrap_or("");
         if model != "gpt2" {
             return load_err(format!(
@@ -379,7 +368,7 @@ impl GgufModel {
                 return load_err(format!("{}: {what} token id {} is outside the {}-token vocabulary", self.source, id.unwrap(), tokens.len()));
             }
         }
-        Ok(GgufVocab {
+        Ok(BpeVocab {
             tokens,
             merges,
             token_types,

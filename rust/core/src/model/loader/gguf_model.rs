@@ -3,11 +3,11 @@
 use std::path::Path;
 use std::sync::Arc;
 
-use super::gguf::{GgufModel, GgufVocab};
+use super::gguf::GgufModel;
 use crate::error::Result;
 use crate::model::{llama, Device, LoadProgress, LoadedModel, ProgressSource};
 use crate::text::chat_template::ChatTemplate;
-use crate::text::tokenizer::{BpeVocab, Tokenizer};
+use crate::text::tokenizer::Tokenizer;
 
 pub fn load(path: &Path, device: Device, progress: Option<LoadProgress>) -> Result<LoadedModel> {
     let gguf = GgufModel::open(path)?;
@@ -16,21 +16,9 @@ pub fn load(path: &Path, device: Device, progress: Option<LoadProgress>) -> Resu
     let special = |id: Option<u32>| id.and_then(|i| vocab.tokens.get(i as usize).cloned());
     let (bos, eos) = (special(vocab.bos_id), special(vocab.eos_id));
     let chat_template = gguf.chat_template().map(|t| ChatTemplate::new(&t, bos, eos)).transpose()?;
-    let tokenizer = Arc::new(Tokenizer::from_bpe_vocab(bpe_vocab(vocab))?);
+    let tokenizer = Arc::new(Tokenizer::from_bpe_vocab(vocab)?);
     let counted = ProgressSource::new(&gguf, &config, progress);
     let runner = llama::build_runner(&config, &counted, device)?;
     counted.finish();
     Ok(LoadedModel { config, runner, tokenizer, chat_template, source: path.display().to_string() })
-}
-
-fn bpe_vocab(v: GgufVocab) -> BpeVocab {
-    BpeVocab {
-        tokens: v.tokens,
-        merges: v.merges,
-        token_types: v.token_types,
-        bos_id: v.bos_id,
-        eos_id: v.eos_id,
-        add_bos: v.add_bos,
-        pre: v.pre,
-    }
 }

@@ -11,6 +11,16 @@ use crate::text::chat_template::ChatTemplate;
 use crate::text::tokenizer::Tokenizer;
 
 pub fn load(dir: &Path, device: Device, progress: Option<LoadProgress>) -> Result<LoadedModel> {
+    let (config, tokenizer, chat_template) = load_metadata(dir)?;
+    let weights = super::safetensors::SafetensorsSource::open(dir)?;
+    let counted = ProgressSource::new(&weights, &config, progress);
+    let runner = llama::build_runner(&config, &counted, device)?;
+    counted.finish();
+    Ok(LoadedModel { config, runner, tokenizer, chat_template, source: dir.display().to_string() })
+}
+
+/// Everything but the weights: config, tokenizer and chat template.
+pub fn load_metadata(dir: &Path) -> Result<(crate::model::ModelConfig, Arc<Tokenizer>, Option<ChatTemplate>)> {
     let config = super::safetensors::load_hf_config(dir)?;
     let tokenizer_path = dir.join("tokenizer.json");
     if !tokenizer_path.exists() {
@@ -18,11 +28,7 @@ pub fn load(dir: &Path, device: Device, progress: Option<LoadProgress>) -> Resul
     }
     let tokenizer = Arc::new(Tokenizer::from_file(&tokenizer_path)?);
     let chat_template = read_chat_template(dir)?;
-    let weights = super::safetensors::SafetensorsSource::open(dir)?;
-    let counted = ProgressSource::new(&weights, &config, progress);
-    let runner = llama::build_runner(&config, &counted, device)?;
-    counted.finish();
-    Ok(LoadedModel { config, runner, tokenizer, chat_template, source: dir.display().to_string() })
+    Ok((config, tokenizer, chat_template))
 }
 
 /// The chat template from chat_template.jinja or tokenizer_config.json, with its bos/eos token strings.

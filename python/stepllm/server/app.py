@@ -1,0 +1,274 @@
+"""The OpenAI-compatible app: `create_app(engine, api_key=None, max_waiting=256)` -> a Starlette ASGI app.
+
+Routes: POST /v1/completions, POST /v1/chat/completions (streamed or not), GET /v1/models, GET /health,
+GET /metrics. With an api_key, /v1/* needs `Authorization: Bearer <key>`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Callable, Union
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from .._core import FinishReason, GenerationRequest, InvalidRequestError
+from . import errors
+from . import metrics as m
+from .bridge import EngineLike, GenerationHandle
+from .errors import APIError
+from .protocol import ChatCompletionRequest, CompletionRequest, parse
+from .responses import Context, Kind, TokenText, token_id_text
+from .streaming import EventStreamResponse, engine_error_message, stream_events, wait_unless_disconnected
+
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+CHAT_DEFAULT_MAX_TOKENS = 1024  # when a chat request names no limit (clipped to what the context leaves)
+RETRY_AFTER_S = 1
+
+AnyRequest = Union[CompletionRequest, ChatCompletionRequest]
+
+
+class ServerState:
+    """The engine, its description, the in-flight count that backpressure reads, and the metrics."""
+
+    def __init__(
+        self,
+        engine: EngineLike,
+        *,
+        api_key: str | None,
+        max_waiting: int,
+        model_name: str | None,
+        chat_default_max_tokens: int,
+    ) -> None:
+        if max_waiting < 0:
+            raise ValueError(f"max_waiting must be >= 0, got {max_waiting}")
+        self.engine = engine
+        self.info = engine.info()
+        self.model_name = model_name or model_id(self.info["source"])
+        self.api_key = api_key
+        self.max_waiting = max_waiting
+        self.max_running = int(self.info["max_batch_size"])
+        self.chat_default_max_tokens = chat_default_max_tokens
+        self.created = int(time.time())
+        self.metrics = m.ServerMetrics(engine.stats)
+        decode: Any = getattr(engine, "decode_token", None)  # a future core API; until then tokens are named by id
+        self.token_text: TokenText = decode if callable(decode) else token_id_text
+        self._lock = threading.Lock()
+        self._handles: set[GenerationHandle] = set()
+
+    # ---------------------------------------------------------------------------------------- admission
+
+    @property
+    def inflight(self) -> int:
+        """Requests submitted to the engine and not yet let go by it."""
+        return len(self._handles)
+
+    @property
+    def waiting(self) -> int:
+        return max(0, self.inflight - self.max_running)
+
+    def cancel_all(self) -> int:
+        """Cancel every request in flight (server shutdown); returns how many."""
+        with self._lock:
+            handles = list(self._handles)
+        for h in handles:
+            h.cancel()
+        return len(handles)
+
+    def authorize(self, request: Request) -> None:
+        if self.api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), self.api_key.encode()):
+            raise errors.unauthorized()
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name not in (self.model_name, self.info["source"]):
+            raise errors.model_not_found(name)
+
+    def check_capacity(self) -> None:
+        """429 when the queue behind the running requests is full. Every slot is either running or waiting, so
+        in-flight beyond the slots is the waiting queue; counted here, without a round trip to the engine."""
+        if self.inflight >= self.max_running + self.max_waiting:
+            raise errors.overloaded(RETRY_AFTER_S, self.waiting)
+
+    def submit(self, endpoint: str, req: AnyRequest, arrived: float) -> GenerationHandle:
+        """Queue the request (InvalidRequestError -> 400). A chat request without a limit gets the default,
+        halved until prompt + limit fits the context."""
+        on_end = self._ended(endpoint)
+        requested = req.requested_max_tokens()
+        if requested is not None or isinstance(req, CompletionRequest):
+            limit = requested if requested is not None else COMPLETION_DEFAULT_MAX_TOKENS
+            return self._start(req.generation_request(limit), arrived, on_end)
+        limit = min(self.chat_default_max_tokens, int(self.info["max_model_len"]) - 1)
+        while True:
+            try:
+                return self._start(req.generation_request(max(limit, 1)), arrived, on_end)
+            except InvalidRequestError:
+                if limit <= 1:
+                    raise
+                limit //= 2
+
+    def _start(self, request: GenerationRequest, arrived: float, on_end: Callable[[GenerationHandle], None]) -> GenerationHandle:
+        handle = GenerationHandle.start(self.engine, request, arrived=arrived, on_end=on_end)
+        with self._lock:
+            if not handle.ended:
+                self._handles.add(handle)
+        return handle
+
+    def _ended(self, endpoint: str) -> Callable[[GenerationHandle], None]:
+        def on_end(handle: GenerationHandle) -> None:
+            with self._lock:
+                self._handles.discard(handle)
+            self.metrics.finished(endpoint, handle.response, handle.timing, time.monotonic())
+
+        return on_end
+
+
+def model_id(source: str) -> str:
+    """The served model's name: its directory or file name (a GGUF file without the extension)."""
+    path = Path(source)
+    return path.stem if path.suffix.lower() == ".gguf" else path.name
+
+
+def request_id(request: Request, req: AnyRequest) -> str:
+    """The caller's id (X-Request-Id header, else the request_id field), else a fresh one."""
+    return request.headers.get("x-request-id") or req.request_id or uuid.uuid4().hex
+
+
+def state_of(request: Request) -> ServerState:
+    state: ServerState = request.app.state.stepllm
+    return state
+
+
+async def _generate(request: Request, kind: Kind) -> Response:
+    arrived = time.monotonic()
+    state = state_of(request)
+    endpoint = "chat" if kind == "chat" else "completions"
+    try:
+        state.authorize(request)
+        req: AnyRequest = parse(ChatCompletionRequest if kind == "chat" else CompletionRequest, await request.body())
+        state.check_model(req.model)
+        state.check_capacity()
+        echo = req.single_prompt() if isinstance(req, CompletionRequest) and req.echo else None
+        handle = state.submit(endpoint, req, arrived)
+    except APIError as e:
+        state.metrics.refused(endpoint, _refusal_outcome(e.status))
+        raise
+    except InvalidRequestError as e:
+        state.metrics.refused(endpoint, m.INVALID)
+        raise errors.bad_request(str(e), code="invalid_value") from None
+
+    rid = request_id(request, req)
+    ctx = Context(
+        kind=kind,
+        id=("chatcmpl-" if kind == "chat" else "cmpl-") + rid,
+        model=state.model_name,
+        token_text=state.token_text,
+        include_usage=req.include_usage,
+        echo=echo if isinstance(echo, str) else None,
+    )
+    headers = {"X-Request-Id": rid}
+    want_logprobs = req.requested_logprobs() is not None
+    if req.stream:
+        return EventStreamResponse(stream_events(handle, ctx, want_logprobs), on_disconnect=handle.cancel, headers=headers)
+
+    try:
+        response = await wait_unless_disconnected(request.receive, handle)
+    except Exception as e:
+        raise errors.server_error(f"the engine failed this request: {e}") from None
+    if response is None:  # the client left; nothing will read what we answer
+        return Response(status_code=499)
+    if response.finish_reason == FinishReason.ERROR:
+        raise errors.server_error(engine_error_message(response))
+    return JSONResponse(ctx.full(response), headers=headers)
+
+
+def _refusal_outcome(status: int) -> str:
+    return {401: m.UNAUTHORIZED, 429: m.OVERLOADED}.get(status, m.INVALID)
+
+
+async def completions(request: Request) -> Response:
+    return await _generate(request, "completion")
+
+
+async def chat_completions(request: Request) -> Response:
+    return await _generate(request, "chat")
+
+
+async def models(request: Request) -> Response:
+    state = state_of(request)
+    state.authorize(request)
+    card = {
+        "id": state.model_name,
+        "object": "model",
+        "created": state.created,
+        "owned_by": "stepllm",
+        "root": state.info["source"],
+        "parent": None,
+        "max_model_len": state.info["max_model_len"],
+    }
+    return JSONResponse({"object": "list", "data": [card]})
+
+
+async def health(request: Request) -> Response:
+    state = state_of(request)
+    if getattr(state.engine, "is_shut_down", False):
+        return JSONResponse({"status": "engine shut down"}, status_code=503)
+    return JSONResponse({"status": "ok"})
+
+
+async def metrics(request: Request) -> Response:
+    # stats() may wait for the engine's current step: keep that off the event loop.
+    body = await asyncio.to_thread(state_of(request).metrics.render)
+    return Response(body, media_type=m.CONTENT_TYPE)
+
+
+async def _api_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, APIError)
+    return exc.response()
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+    return JSONResponse(errors.error_body(str(exc.detail), kind), status_code=exc.status_code, headers=exc.headers)
+
+
+async def _internal_error(request: Request, exc: Exception) -> Response:
+    return JSONResponse(errors.error_body(f"internal server error: {exc}", "server_error"), status_code=500)
+
+
+def create_app(
+    engine: EngineLike,
+    api_key: str | None = None,
+    max_waiting: int = 256,
+    *,
+    model_name: str | None = None,
+    chat_default_max_tokens: int = CHAT_DEFAULT_MAX_TOKENS,
+) -> Starlette:
+    """An ASGI app serving `engine`. The engine's lifetime stays the caller's: the app never shuts it down."""
+    state = ServerState(
+        engine, api_key=api_key, max_waiting=max_waiting, model_name=model_name, chat_default_max_tokens=chat_default_max_tokens
+    )
+    app = Starlette(
+        routes=[
+            Route("/v1/completions", completions, methods=["POST"]),
+            Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+            Route("/v1/models", models, methods=["GET"]),
+            Route("/health", health, methods=["GET"]),
+            Route("/metrics", metrics, methods=["GET"]),
+        ],
+        exception_handlers={APIError: _api_error, HTTPException: _http_error, Exception: _internal_error},
+    )
+    app.state.stepllm = state
+    return app

@@ -1,0 +1,235 @@
+"""Request schemas for the OpenAI endpoints, validated strictly (a wrong type or an unknown field is a 400),
+and their translation into the core's SamplingParams / GenerationRequest.
+
+Beyond OpenAI's fields, vLLM's common extensions are honoured: top_k, min_p, repetition_penalty, ignore_eos,
+stop_token_ids, skip_special_tokens, add_special_tokens (completions) and request_id.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from .._core import GenerationRequest, InvalidRequestError, SamplingParams
+from .errors import APIError, bad_request, from_validation
+
+MAX_TOP_LOGPROBS = 20
+TokenIds = list[int]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool | None = False
+
+
+class _Sampling(_Strict):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=-1)
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    seed: int | None = Field(default=None, ge=0, lt=2**64)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0)
+    logit_bias: dict[str, float] | None = None
+    n: int | None = Field(default=None, ge=1)
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool | None = None
+    skip_special_tokens: bool | None = None
+    request_id: str | None = Field(default=None, min_length=1, max_length=256)
+    # Accepted and ignored, as they change nothing about generation.
+    user: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_not_empty(cls, v: str | list[str] | None) -> str | list[str] | None:
+        items = [v] if isinstance(v, str) else (v or [])
+        if any(s == "" for s in items):
+            raise ValueError("stop strings must be non-empty")
+        return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_keys(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        for key, bias in (v or {}).items():
+            if not key.strip().isdigit():
+                raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"logit_bias values must lie in [-100, 100], got {bias} for token {key}")
+        return v
+
+    @field_validator("n")
+    @classmethod
+    def _only_n_1(cls, v: int | None) -> int | None:
+        if v not in (None, 1):
+            raise ValueError("only n = 1 is supported")
+        return v
+
+    @model_validator(mode="after")
+    def _stream_options(self) -> _Sampling:
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true")
+        return self
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    def requested_logprobs(self) -> int | None:
+        return None
+
+    def sampling_params(self, max_tokens: int | None) -> SamplingParams:
+        """The core's SamplingParams; its own validation errors become 400s."""
+        top_k = self.top_k
+        try:
+            return SamplingParams(
+                max_tokens=max_tokens,
+                temperature=self.temperature,
+                top_k=0 if top_k == -1 else top_k,
+                top_p=self.top_p,
+                min_p=self.min_p,
+                seed=self.seed,
+                repetition_penalty=self.repetition_penalty,
+                presence_penalty=self.presence_penalty,
+                frequency_penalty=self.frequency_penalty,
+                logit_bias={int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
+                logprobs=self.requested_logprobs(),
+                stop=self.stop,
+                stop_token_ids=self.stop_token_ids,
+                ignore_eos=self.ignore_eos,
+                skip_special_tokens=self.skip_special_tokens,
+            )
+        except (InvalidRequestError, ValueError, OverflowError, TypeError) as e:
+            raise bad_request(str(e), code="invalid_value") from e
+
+
+Prompt = Union[str, TokenIds, list[str], list[TokenIds]]
+
+
+class CompletionRequest(_Sampling):
+    prompt: Prompt
+    echo: bool | None = False
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    suffix: str | None = None
+    best_of: int | None = None
+    add_special_tokens: bool | None = True
+
+    @model_validator(mode="after")
+    def _unsupported(self) -> CompletionRequest:
+        if self.suffix:
+            raise ValueError("suffix is not supported")
+        if self.best_of not in (None, 1):
+            raise ValueError("only best_of = 1 is supported")
+        return self
+
+    def requested_logprobs(self) -> int | None:
+        return self.logprobs
+
+    def single_prompt(self) -> str | TokenIds:
+        p = self.prompt
+        if isinstance(p, list) and p and not isinstance(p[0], int):
+            if len(p) != 1:
+                raise bad_request("only one prompt per request is supported; send one request per prompt", param="prompt")
+            p = p[0]
+        if isinstance(p, list) and not p:
+            raise bad_request("prompt is empty: give at least one character or token", param="prompt")
+        if self.echo and not isinstance(p, str):
+            raise bad_request("echo is supported for text prompts only", param="echo")
+        return p  # type: ignore[return-value]
+
+    def generation_request(self, max_tokens: int | None) -> GenerationRequest:
+        return GenerationRequest(
+            self.single_prompt(), self.sampling_params(max_tokens), add_special_tokens=bool(self.add_special_tokens)
+        )
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_call_id: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text"]
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    response_format: ResponseFormat | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Literal["none", "auto"] | None = None
+    parallel_tool_calls: bool | None = None
+
+    @model_validator(mode="after")
+    def _checks(self) -> ChatCompletionRequest:
+        if self.tools:
+            raise ValueError("tools are not supported")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs = true")
+        if self.max_tokens is not None and self.max_completion_tokens is not None and self.max_tokens != self.max_completion_tokens:
+            raise ValueError("max_tokens and max_completion_tokens disagree; send one of them")
+        return self
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def requested_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def conversation(self) -> list[dict[str, str]]:
+        # Chat templates know system/user/assistant; OpenAI's newer "developer" role is a system message.
+        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
+
+    def generation_request(self, max_tokens: int | None) -> GenerationRequest:
+        return GenerationRequest(self.conversation(), self.sampling_params(max_tokens))
+
+
+def parse(model: type[CompletionRequest] | type[ChatCompletionRequest], body: bytes) -> Any:
+    """Validate a raw JSON body; every failure is a 400 with an OpenAI error body."""
+    if not body.strip():
+        raise bad_request("The request body is empty; send a JSON object.", code="invalid_json")
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as e:
+        first = e.errors(include_url=False)[0] if e.error_count() else {}
+        if first.get("type") == "json_invalid":
+            raise bad_request(f"The request body is not valid JSON: {first.get('msg', '')}", code="invalid_json") from None
+        if first.get("type") == "model_type" and not first.get("loc"):
+            raise bad_request("The request body must be a JSON object.", code="invalid_json") from None
+        raise from_validation(e) from None
+
+
+__all__ = ["APIError", "ChatCompletionRequest", "CompletionRequest", "StreamOptions", "parse"]

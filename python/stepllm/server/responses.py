@@ -1,0 +1,172 @@
+"""Response bodies in the OpenAI shape: full responses, stream chunks, usage and logprobs."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Literal, Sequence
+
+from .._core import FinishReason, GenerationResponse, TokenLogprob
+
+Kind = Literal["completion", "chat"]
+TokenText = Callable[[int], str]
+
+
+def token_id_text(token_id: int) -> str:
+    """How a token is named in logprobs while the core exposes no per-token detokenizer (vLLM's
+    --return-tokens-as-token-ids spelling)."""
+    return f"token_id:{token_id}"
+
+
+def finish_reason(response: GenerationResponse) -> str:
+    r = response.finish_reason
+    if r in (FinishReason.EOS, FinishReason.STOP):
+        return "stop"
+    if r == FinishReason.LENGTH:
+        return "length"
+    return "abort" if r == FinishReason.CANCELLED else "error"
+
+
+def stop_reason(response: GenerationResponse) -> str | int | None:
+    """vLLM's extension: the stop string (or stop token id) that ended the request; None for EOS / length."""
+    if response.finish_reason != FinishReason.STOP or response.stop_reason is None:
+        return None
+    s = response.stop_reason
+    return int(s) if s.isdigit() else s
+
+
+@dataclass
+class Context:
+    """What every body of one request shares."""
+
+    kind: Kind
+    id: str
+    model: str
+    created: int = field(default_factory=lambda: int(time.time()))
+    token_text: TokenText = token_id_text
+    include_usage: bool = False
+    echo: str | None = None
+
+    @property
+    def object(self) -> str:
+        return "chat.completion" if self.kind == "chat" else "text_completion"
+
+    @property
+    def chunk_object(self) -> str:
+        return "chat.completion.chunk" if self.kind == "chat" else "text_completion"
+
+    # --------------------------------------------------------------------------------------- full responses
+
+    def full(self, response: GenerationResponse) -> dict[str, Any]:
+        text = response.output_text
+        choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason(response), "stop_reason": stop_reason(response)}
+        if self.kind == "chat":
+            choice["message"] = {"role": "assistant", "content": text, "refusal": None, "tool_calls": []}
+            choice["logprobs"] = self.chat_logprobs(response.logprobs)
+        else:
+            choice["text"] = (self.echo or "") + text
+            choice["logprobs"] = self.completion_logprobs(response.logprobs, offset=len(self.echo or ""))
+        return {
+            "id": self.id,
+            "object": self.object,
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+            "usage": usage(response),
+            "system_fingerprint": None,
+        }
+
+    # --------------------------------------------------------------------------------------- stream chunks
+
+    def chunk(
+        self,
+        text: str | None,
+        *,
+        role: bool = False,
+        logprobs: Sequence[TokenLogprob] | None = None,
+        finish: GenerationResponse | None = None,
+    ) -> str:
+        choice: dict[str, Any] = {"index": 0}
+        if self.kind == "chat":
+            delta: dict[str, Any] = {}
+            if role:
+                delta["role"] = "assistant"
+            if text is not None:
+                delta["content"] = text
+            choice["delta"] = delta
+            choice["logprobs"] = self.chat_logprobs(logprobs)
+        else:
+            choice["text"] = text or ""
+            choice["logprobs"] = self.completion_logprobs(logprobs)
+        choice["finish_reason"] = finish_reason(finish) if finish is not None else None
+        if finish is not None:
+            choice["stop_reason"] = stop_reason(finish)
+        return sse(self._chunk_envelope([choice]))
+
+    def usage_chunk(self, response: GenerationResponse) -> str:
+        body = self._chunk_envelope([])
+        body["usage"] = usage(response)
+        return sse(body)
+
+    def _chunk_envelope(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        body: dict[str, Any] = {"id": self.id, "object": self.chunk_object, "created": self.created, "model": self.model, "choices": choices}
+        if self.include_usage:
+            body["usage"] = None
+        return body
+
+    # --------------------------------------------------------------------------------------- logprobs
+
+    def _top(self, lp: TokenLogprob) -> list[tuple[str, float]]:
+        return [(self.token_text(t), v) for t, v in lp.top]
+
+    def chat_logprobs(self, logprobs: Sequence[TokenLogprob] | None) -> dict[str, Any] | None:
+        if logprobs is None:
+            return None
+        content = []
+        for lp in logprobs:
+            tok = self.token_text(lp.token_id)
+            content.append(
+                {
+                    "token": tok,
+                    "logprob": lp.logprob,
+                    "bytes": token_bytes(tok),
+                    "top_logprobs": [{"token": t, "logprob": v, "bytes": token_bytes(t)} for t, v in self._top(lp)],
+                }
+            )
+        return {"content": content, "refusal": None}
+
+    def completion_logprobs(self, logprobs: Sequence[TokenLogprob] | None, offset: int = 0) -> dict[str, Any] | None:
+        if logprobs is None:
+            return None
+        tokens, token_logprobs, top, offsets = [], [], [], []
+        for lp in logprobs:
+            tok = self.token_text(lp.token_id)
+            offsets.append(offset)
+            offset += len(tok)
+            tokens.append(tok)
+            token_logprobs.append(lp.logprob)
+            top.append(dict(self._top(lp)) or None)
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
+
+
+def token_bytes(token: str) -> list[int] | None:
+    return None if token.startswith("token_id:") else list(token.encode("utf-8"))
+
+
+def usage(response: GenerationResponse) -> dict[str, Any]:
+    p, c = len(response.prompt_ids), len(response.output_ids)
+    return {
+        "prompt_tokens": p,
+        "completion_tokens": c,
+        "total_tokens": p + c,
+        "prompt_tokens_details": {"cached_tokens": response.cached_prompt_tokens},
+    }
+
+
+def sse(body: dict[str, Any] | str) -> str:
+    data = body if isinstance(body, str) else json.dumps(body, ensure_ascii=False, separators=(",", ":"))
+    return f"data: {data}\n\n"
+
+
+DONE = sse("[DONE]")

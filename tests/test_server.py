@@ -1,0 +1,282 @@
+"""The OpenAI-compatible server through the official openai client (sync and async, streamed and not): greedy
+texts equal LLM.generate / LLM.chat, per-request fields, 32 concurrent streams, the default model, `stepllm serve`."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from typing import Any, Iterator
+
+import pytest
+
+import stepllm
+from conftest import model_dir
+from test_server_helpers import (
+    TIMEOUT,
+    BackgroundServer,
+    async_client,
+    fixture_llm,
+    http,
+    idle_after,  # noqa: F401 - a fixture
+    sync_client,
+    wait_for,
+    wait_idle,
+)
+
+PROMPTS = ["Hello", "The quick brown fox", "Once upon a time", "1 2 3 4", "a", "What is the capital of France?"]
+CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say something."}]
+
+pytestmark = pytest.mark.usefixtures("idle_after")
+
+
+@pytest.fixture(scope="module")
+def llm() -> Iterator[stepllm.LLM]:
+    with fixture_llm("qwen2") as llm:
+        yield llm
+
+
+@pytest.fixture(scope="module")
+def server(llm: stepllm.LLM) -> Iterator[BackgroundServer]:
+    with BackgroundServer(llm.engine) as s:
+        yield s
+
+
+def greedy(max_tokens: int = 12, **kw: Any) -> stepllm.SamplingParams:
+    return stepllm.SamplingParams(max_tokens=max_tokens, temperature=0.0, **kw)
+
+
+def test_models_and_health(server: BackgroundServer) -> None:
+    models = sync_client(server).models.list()
+    assert [m.id for m in models.data] == ["qwen2"]
+    with http(server) as c:
+        assert c.get("/health").json() == {"status": "ok"}
+        assert c.get("/nope").status_code == 404
+        assert c.get("/v1/completions").status_code == 405
+
+
+def test_completions_sync_match_llm_generate(server: BackgroundServer, llm: stepllm.LLM) -> None:
+    client = sync_client(server)
+    for prompt in PROMPTS:
+        want = llm.generate(prompt, greedy(12))[0]
+        got = client.completions.create(model="qwen2", prompt=prompt, max_tokens=12, temperature=0)
+        assert got.choices[0].text == want.output_text
+        assert got.choices[0].finish_reason == "length"
+        assert got.object == "text_completion" and got.model == "qwen2" and got.id.startswith("cmpl-")
+        assert got.usage is not None
+        assert (got.usage.prompt_tokens, got.usage.completion_tokens) == (len(want.prompt_ids), 12)
+        assert got.usage.total_tokens == len(want.prompt_ids) + 12
+
+        chunks = list(client.completions.create(model="qwen2", prompt=prompt, max_tokens=12, temperature=0, stream=True))
+        assert "".join(c.choices[0].text for c in chunks) == want.output_text
+        assert [c.choices[0].finish_reason for c in chunks][-1] == "length"
+        assert all(c.choices[0].finish_reason is None for c in chunks[:-1])
+
+
+def test_token_id_prompt_matches(server: BackgroundServer, llm: stepllm.LLM) -> None:
+    ids = [5, 17, 42, 99, 123]
+    want = llm.generate(ids, greedy(8))[0]
+    got = sync_client(server).completions.create(model="qwen2", prompt=ids, max_tokens=8, temperature=0)
+    assert got.choices[0].text == want.output_text
+    assert got.usage is not None and got.usage.prompt_tokens == len(ids)
+
+
+def test_chat_sync_matches_llm_chat(server: BackgroundServer, llm: stepllm.LLM) -> None:
+    client = sync_client(server)
+    want = llm.chat(CHAT, greedy(16))[0]
+    got = client.chat.completions.create(model="qwen2", messages=CHAT, max_tokens=16, temperature=0)  # type: ignore[arg-type]
+    msg = got.choices[0].message
+    assert msg.role == "assistant" and msg.content == want.output_text
+    assert got.object == "chat.completion" and got.id.startswith("chatcmpl-")
+    assert got.usage is not None and got.usage.prompt_tokens == len(want.prompt_ids)
+
+    stream = client.chat.completions.create(
+        model="qwen2", messages=CHAT, max_completion_tokens=16, temperature=0, stream=True, stream_options={"include_usage": True}  # type: ignore[arg-type]
+    )
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want.output_text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    # include_usage: every chunk has usage null except the last, which has no choices and the totals.
+    assert all(c.usage is None for c in chunks[:-1])
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == 16 and chunks[-1].usage.prompt_tokens == len(want.prompt_ids)
+
+
+def test_async_client_streams_and_not(server: BackgroundServer, llm: stepllm.LLM) -> None:
+    want_text = llm.generate("Hello", greedy(10))[0].output_text
+    want_chat = llm.chat(CHAT, greedy(10))[0].output_text
+
+    async def main() -> None:
+        async with async_client(server) as client:
+            c = await client.completions.create(model="qwen2", prompt="Hello", max_tokens=10, temperature=0)
+            assert c.choices[0].text == want_text
+            text = ""
+            async for chunk in await client.completions.create(model="qwen2", prompt="Hello", max_tokens=10, temperature=0, stream=True):
+                text += chunk.choices[0].text
+            assert text == want_text
+            r = await client.chat.completions.create(model="qwen2", messages=CHAT, max_tokens=10, temperature=0)  # type: ignore[arg-type]
+            assert r.choices[0].message.content == want_chat
+            text = ""
+            async for ch in await client.chat.completions.create(model="qwen2", messages=CHAT, max_tokens=10, temperature=0, stream=True):  # type: ignore[arg-type]
+                text += ch.choices[0].delta.content or ""
+            assert text == want_chat
+
+    asyncio.run(asyncio.wait_for(main(), TIMEOUT))
+
+
+def test_32_concurrent_streams_match_sequential(server: BackgroundServer) -> None:
+    client = sync_client(server)
+    prompts = [f"{PROMPTS[i % len(PROMPTS)]} {i}" for i in range(32)]
+    sequential = [client.completions.create(model="qwen2", prompt=p, max_tokens=16, temperature=0).choices[0].text for p in prompts]
+
+    async def one(aclient: Any, prompt: str) -> str:
+        text = ""
+        async for chunk in await aclient.completions.create(model="qwen2", prompt=prompt, max_tokens=16, temperature=0, stream=True):
+            text += chunk.choices[0].text
+        return text
+
+    async def main() -> list[str]:
+        async with async_client(server) as aclient:
+            return list(await asyncio.gather(*(one(aclient, p) for p in prompts)))
+
+    concurrent = asyncio.run(asyncio.wait_for(main(), 2 * TIMEOUT))
+    assert concurrent == sequential
+    assert len(set(sequential)) > 1
+
+
+def test_sampling_fields_are_honoured(server: BackgroundServer, llm: stepllm.LLM) -> None:
+    client = sync_client(server)
+
+    def text(**kw: Any) -> str:
+        return client.completions.create(model="qwen2", prompt="Hello", **kw).choices[0].text
+
+    # Seeded sampling is reproducible and equals LLM.generate with the same values.
+    fields = dict(temperature=0.9, top_p=0.9, seed=1234, presence_penalty=0.5, frequency_penalty=0.3)
+    extra = dict(top_k=50, min_p=0.01, repetition_penalty=1.1)
+    want = llm.generate("Hello", stepllm.SamplingParams(max_tokens=12, **fields, **extra))[0].output_text  # type: ignore[arg-type]
+    assert text(max_tokens=12, extra_body=extra, **fields) == want
+    assert text(max_tokens=12, extra_body=extra, **fields) == want
+    # A stop string ends the text and is trimmed, as in LLM.generate.
+    plain = llm.generate("Hello", greedy(12))[0].output_text
+    stop = plain[4:6]
+    r = client.completions.create(model="qwen2", prompt="Hello", max_tokens=12, temperature=0, stop=[stop])
+    assert r.choices[0].text == plain[: plain.index(stop)] and r.choices[0].finish_reason == "stop"
+    assert (r.choices[0].model_extra or {}).get("stop_reason") == stop  # vLLM's extension field
+    # logit_bias forces a token; logprobs name the tokens.
+    r = client.completions.create(model="qwen2", prompt="Hello", max_tokens=4, temperature=0, logit_bias={"77": 100}, logprobs=2)
+    lp = r.choices[0].logprobs
+    assert lp is not None and lp.tokens == ["token_id:77"] * 4
+    assert lp.top_logprobs is not None and all(len(t) == 2 for t in lp.top_logprobs)
+    assert lp.token_logprobs is not None and all(v <= 0 for v in lp.token_logprobs)
+    # max_completion_tokens bounds a chat reply; logprobs / top_logprobs in the chat shape.
+    c = client.chat.completions.create(model="qwen2", messages=CHAT, max_completion_tokens=3, temperature=0, logprobs=True, top_logprobs=3)  # type: ignore[arg-type]
+    assert c.usage is not None and c.usage.completion_tokens == 3
+    content = c.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert content is not None and len(content) == 3 and all(len(t.top_logprobs) == 3 for t in content)
+    want_ids = llm.chat(CHAT, greedy(3, logprobs=3))[0].output_ids
+    assert [t.token for t in content] == [f"token_id:{i}" for i in want_ids]
+    # Streaming with logprobs: the logprobs of all tokens arrive before the finish chunk.
+    chunks = list(client.chat.completions.create(model="qwen2", messages=CHAT, max_tokens=3, temperature=0, logprobs=True, stream=True))  # type: ignore[arg-type]
+    streamed = [t.token for ch in chunks if ch.choices and ch.choices[0].logprobs for t in (ch.choices[0].logprobs.content or [])]
+    assert streamed == [f"token_id:{i}" for i in want_ids]
+
+
+def test_echo_and_chat_without_max_tokens(server: BackgroundServer, llm: stepllm.LLM) -> None:
+    client = sync_client(server)
+    r = client.completions.create(model="qwen2", prompt="Hello", max_tokens=5, temperature=0, echo=True)
+    assert r.choices[0].text == "Hello" + llm.generate("Hello", greedy(5))[0].output_text
+    # No limit given: the reply may run until the context is full (the fixture's is 256 tokens).
+    c = client.chat.completions.create(model="qwen2", messages=CHAT, temperature=0, extra_body={"ignore_eos": True})  # type: ignore[arg-type]
+    assert c.usage is not None and c.usage.completion_tokens > 16
+    assert c.usage.prompt_tokens + c.usage.completion_tokens <= 256
+
+
+def test_request_id_is_echoed(server: BackgroundServer) -> None:
+    client = sync_client(server)
+    raw = client.completions.with_raw_response.create(
+        model="qwen2", prompt="Hello", max_tokens=2, extra_headers={"X-Request-Id": "my-req-42"}
+    )
+    assert raw.headers["x-request-id"] == "my-req-42"
+    assert raw.parse().id == "cmpl-my-req-42"
+    r = client.chat.completions.create(model="qwen2", messages=CHAT, max_tokens=2, extra_body={"request_id": "abc"})  # type: ignore[arg-type]
+    assert r.id == "chatcmpl-abc"
+    chunks = list(client.chat.completions.create(model="qwen2", messages=CHAT, max_tokens=2, stream=True, extra_body={"request_id": "s1"}))  # type: ignore[arg-type]
+    assert {c.id for c in chunks} == {"chatcmpl-s1"}
+
+
+def test_default_model_chat_end_to_end() -> None:
+    """The real default model (SmolLM2-135M-Instruct): the server's greedy chat equals LLM.chat's."""
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    with stepllm.LLM(device="cpu", max_batch_size=2, kv_cache_tokens=2048) as llm:
+        want = llm.chat(messages, greedy(24))[0]
+        assert "Paris" in want.output_text
+        with BackgroundServer(llm.engine) as server:
+            client = sync_client(server)
+            model = client.models.list().data[0].id
+            got = client.chat.completions.create(model=model, messages=messages, max_tokens=24, temperature=0)  # type: ignore[arg-type]
+            assert got.choices[0].message.content == want.output_text
+            assert got.choices[0].finish_reason == ("stop" if want.finish_reason == stepllm.FinishReason.EOS else "length")
+            streamed = "".join(
+                c.choices[0].delta.content or ""
+                for c in client.chat.completions.create(model=model, messages=messages, max_tokens=24, temperature=0, stream=True)  # type: ignore[arg-type]
+            )
+            assert streamed == want.output_text
+            wait_idle(llm.engine, server)
+
+
+def test_stepllm_serve_command() -> None:
+    """`stepllm serve` starts, answers, and stops on SIGINT."""
+    from stepllm.server import free_port
+
+    port = free_port()
+    cmd = [sys.executable, "-m", "stepllm.cli", "serve", "--model", model_dir("llama"), "--device", "cpu", "--port", str(port), "--api-key", "k1", "--max-waiting", "4"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        url = f"http://127.0.0.1:{port}"
+
+        def up() -> bool:
+            assert proc.poll() is None, proc.stderr.read().decode() if proc.stderr else "exited"
+            try:
+                import httpx
+
+                return httpx.get(f"{url}/health", timeout=1).status_code == 200
+            except Exception:
+                return False
+
+        wait_for(up, timeout=60, what="stepllm serve to start")
+        import httpx
+
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": "Hello", "max_tokens": 3}, headers={"Authorization": "Bearer k1"}, timeout=TIMEOUT)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+        assert httpx.post(f"{url}/v1/completions", json={"prompt": "Hello"}, timeout=TIMEOUT).status_code == 401
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:  # pragma: no cover
+            proc.kill()
+            proc.wait(timeout=5)
+    assert proc.returncode == 0, proc.stderr.read().decode() if proc.stderr else ""
+
+
+def test_serve_without_server_packages_says_so(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    import builtins
+
+    from stepllm import cli
+
+    real_import = builtins.__import__
+
+    def fake_import(name: str, *args: Any, **kw: Any) -> Any:
+        if name == "server" or name.startswith("stepllm.server") or name == "uvicorn":
+            raise ImportError("No module named 'uvicorn'", name="uvicorn")
+        return real_import(name, *args, **kw)
+
+    monkeypatch.setattr(builtins, "__import__", fake_import)
+    started = time.monotonic()
+    assert cli.main(["serve", "--model", model_dir("llama")]) == 1
+    assert time.monotonic() - started < 5  # no model was loaded
+    assert "stepllm[serve]" in capsys.readouterr().err
