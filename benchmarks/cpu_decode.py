@@ -1,9 +1,11 @@
 """CPU decode throughput: stepllm vs Hugging Face transformers on the default model, side by side in one run.
 
     python benchmarks/cpu_decode.py [--peer-python /path/to/python-with-transformers] [--batch-sizes 1,8]
+                                    [--dtypes f32,bf16,int8]
 
-Both run SmolLM2-135M-Instruct from the same Q4_1 GGUF (transformers dequantizes it to f32 on load; stepllm
-runs exact f32 too), greedy, a 32-token prompt, 64 new tokens (EOS ignored), all threads of the machine.
+Both run SmolLM2-135M-Instruct from the same Q4_1 GGUF (transformers dequantizes it to f32 on load), greedy,
+a 32-token prompt, 64 new tokens (EOS ignored), all threads of the machine. stepllm runs once per weight dtype:
+f32 (exact, like transformers), bf16 and int8 (weights rounded on load; f32 activations and accumulation).
 tok/s = generated tokens / wall time of the whole generate call (prefill included), best of --repeats.
 transformers runs in this interpreter when it can be imported, else under --peer-python (it needs torch,
 transformers and gguf); without either, only stepllm's rows are printed.
@@ -35,10 +37,10 @@ def prompts(batch: int) -> list[list[int]]:
     return [[(1000 + 37 * b + 11 * j) % 40000 + 200 for j in range(PROMPT_TOKENS)] for b in range(batch)]
 
 
-def bench_stepllm(gguf: Path, sizes: list[int], new_tokens: int, repeats: int) -> dict[int, float]:
+def bench_stepllm(gguf: Path, sizes: list[int], new_tokens: int, repeats: int, dtype: str) -> dict[int, float]:
     import stepllm
 
-    llm = stepllm.LLM(model=str(gguf), device="cpu", max_batch_size=max(sizes), kv_cache_tokens=8192)
+    llm = stepllm.LLM(model=str(gguf), device="cpu", max_batch_size=max(sizes), kv_cache_tokens=8192, dtype=dtype)
     sampling = stepllm.SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     llm.generate(prompts(1), stepllm.SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
     rates = {}
@@ -97,6 +99,7 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--peer-python", default=None)
+    p.add_argument("--dtypes", default="f32,bf16,int8", help="stepllm weight dtypes to run, comma-separated")
     p.add_argument("--gguf", default=None)
     p.add_argument("--only-transformers", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -108,15 +111,21 @@ def main() -> None:
         rates = bench_transformers(gguf, sizes, args.new_tokens, args.repeats)
         print(json.dumps({"rates": rates, "version": f"transformers {transformers.__version__}"}))
         return
-    ours = bench_stepllm(gguf, sizes, args.new_tokens, args.repeats)
+    dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
+    ours = {dtype: bench_stepllm(gguf, sizes, args.new_tokens, args.repeats, dtype) for dtype in dtypes}
     peer, peer_name = peer_rates(args, gguf, sizes)
     print(f"# {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs; {gguf.name}; prompt {PROMPT_TOKENS}, "
           f"{args.new_tokens} new tokens, greedy; peer: {peer_name}")
-    print(f"{'batch':>5}  {'stepllm tok/s':>13}  {'transformers tok/s':>18}  {'speed-up':>8}")
+    print("# tok/s (speed-up over transformers f32)")
+    columns = ["transformers f32"] + [f"stepllm {d}" for d in dtypes]
+    print(f"{'batch':>5}" + "".join(f"  {c:>18}" for c in columns))
     for b in sizes:
         theirs = peer.get(b) if peer else None
-        ratio = f"{ours[b] / theirs:.2f}x" if theirs else "-"
-        print(f"{b:>5}  {ours[b]:>13.1f}  {theirs if theirs else float('nan'):>18.1f}  {ratio:>8}")
+        cells = [f"{theirs:.1f}" if theirs else "-"]
+        for dtype in dtypes:
+            rate = ours[dtype][b]
+            cells.append(f"{rate:.1f} ({rate / theirs:.2f}x)" if theirs else f"{rate:.1f}")
+        print(f"{b:>5}" + "".join(f"  {c:>18}" for c in cells))
 
 
 if __name__ == "__main__":

@@ -58,7 +58,8 @@ def test_invalid_request_error_is_a_value_error() -> None:
 
 @pytest.mark.parametrize(
     "kw",
-    [{"max_batch_size": 0}, {"block_size": 0}, {"kv_cache_tokens": 8, "block_size": 16}, {"parallel": stepllm.ParallelConfig(tensor_parallel_size=2)}],
+    [{"max_batch_size": 0}, {"block_size": 0}, {"kv_cache_tokens": 8, "block_size": 16}, {"parallel": stepllm.ParallelConfig(tensor_parallel_size=0)},
+     {"parallel": stepllm.ParallelConfig(tensor_parallel_size=2, devices=[0])}],
 )
 def test_bad_config_raises_invalid_request(kw: dict[str, Any]) -> None:
     with pytest.raises(stepllm.InvalidRequestError):
@@ -337,3 +338,14 @@ def test_no_capacity_changes_nothing() -> None:
     assert adm.status == stepllm.AdmissionStatus.NO_CAPACITY and adm.ref is None and adm.reason
     assert stepped.counts() == counts and stepped.residents() == residents
     stepped.abort()
+
+
+def test_cuda_config_without_a_gpu_is_a_clear_device_error() -> None:
+    try:
+        stepllm.Config(device="cuda")
+    except stepllm.DeviceError as e:
+        assert 'device="cpu"' in str(e)
+    else:
+        pytest.skip("a CUDA GPU is usable here")
+    with pytest.raises(stepllm.InvalidRequestError, match="unknown device"):
+        stepllm.Config(device="tpu")

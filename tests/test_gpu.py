@@ -98,7 +98,7 @@ def test_gpu_greedy_matches_transformers(shape: tuple[str, Path]) -> None:
     assert out.output_ids[:4] == ref[:4] and agree >= 12, (name, out.output_ids, ref)
 
 
-@pytest.mark.parametrize("name", ["smollm2", "qwen3"])
+@pytest.mark.parametrize("name", ["smollm2", "qwen3", "llama1b"])
 def test_gpu_matches_cpu_backend(name: str, models_dir: Path) -> None:
     path = gpu_models.make(name, models_dir)
     reqs = [stepllm.GenerationRequest(PROMPT[: 10 + 7 * i], greedy(8, logprobs=5)) for i in range(3)]

@@ -12,10 +12,10 @@ import openai
 import pytest
 
 import stepllm
+from stepllm.server import BackgroundServer
 from test_server_helpers import (
     LONG_CONTEXT,
     LONG_TOKENS,
-    BackgroundServer,
     FaultyEngine,
     assert_error_body,
     assert_serving,
@@ -82,7 +82,8 @@ def test_disconnect_mid_stream_cancels_the_request(server: BackgroundServer, eng
     wait_idle(engine, server, timeout=5)
     assert cancelled(engine) == before + 1
     assert time.monotonic() - started < 10
-    assert metric(metrics_text(server), "stepllm_requests_total", endpoint=endpoint.split("/")[-1].replace("completions", "completions") if "chat" not in endpoint else "chat", outcome="cancelled") >= 1
+    label = "chat" if "chat" in endpoint else "completions"
+    assert metric(metrics_text(server), "stepllm_requests_total", endpoint=label, outcome="cancelled") >= 1
 
 
 def test_disconnect_of_a_non_streamed_request_cancels_it(server: BackgroundServer, engine: stepllm.Engine) -> None:
@@ -176,6 +177,23 @@ def test_oversize_prompts_answer_400(server: BackgroundServer) -> None:
     with pytest.raises(openai.BadRequestError) as e:  # fits alone, but not with the tokens asked for
         client.chat.completions.create(model="qwen2", messages=[{"role": "user", "content": "hi"}], max_tokens=LONG_CONTEXT)
     assert e.value.body is not None and e.value.status_code == 400
+
+
+def test_max_tokens_beyond_the_kv_cache_is_400_not_500() -> None:
+    with fixture_llm("qwen2", kv_cache_tokens=64) as small, BackgroundServer(small.engine) as server:
+        with pytest.raises(openai.BadRequestError) as e:
+            sync_client(server).completions.create(model="qwen2", prompt="Hello", max_tokens=100)
+        assert e.value.param == "max_tokens"
+        # Chat without a limit: the default is clipped to what the KV cache holds.
+        r = sync_client(server).chat.completions.create(model="qwen2", messages=[{"role": "user", "content": "hi"}], extra_body={"ignore_eos": True})
+        assert r.usage is not None and r.usage.total_tokens <= 64
+        wait_idle(small.engine, server)
+
+
+def test_oversize_body_is_413(server: BackgroundServer) -> None:
+    with http(server) as c:
+        r = c.post("/v1/completions", content=b'{"prompt": "' + b"x" * (33 << 20) + b'"}', headers={"Content-Type": "application/json"})
+    assert_error_body(r, 413)
 
 
 def test_unknown_model_is_404(server: BackgroundServer) -> None:

@@ -85,6 +85,13 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
     p.add_argument("--max-batch-size", type=int, default=8)
     p.add_argument("--kv-cache-tokens", type=int, default=16384)
+    p.add_argument(
+        "--dtype",
+        default=None,
+        choices=["f32", "bf16", "int8"],
+        help="how weights are kept: f32 (exact), bf16 or int8 (faster on the CPU, approximate); "
+        "default: the device's (f32 on the CPU, bf16 on CUDA)",
+    )
 
 
 def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int = 256, temperature: float = 0.0) -> None:
@@ -108,6 +115,7 @@ def open_engine(args: argparse.Namespace, max_batch_size: int | None = None) -> 
         device=args.device,
         max_batch_size=max_batch_size or args.max_batch_size,
         kv_cache_tokens=args.kv_cache_tokens,
+        dtype=args.dtype,
     )
     started = time.perf_counter()
     engine = Engine(config, progress=ProgressBar(f"loading {Path(model).name}"))

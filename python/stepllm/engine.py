@@ -32,6 +32,12 @@ class Engine:
         """Validate and tokenize now (bad input raises InvalidRequestError), then queue."""
         return self._engine.submit(request)
 
+    def count_prompt_tokens(self, request: GenerationRequest) -> int:
+        return self._engine.count_prompt_tokens(request)
+
+    def decode_token(self, token_id: int) -> str:
+        return self._engine.decode_token(token_id)
+
     def cancel(self, request_id: int) -> None:
         self._engine.cancel(request_id)
 

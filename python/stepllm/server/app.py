@@ -26,12 +26,13 @@ from . import metrics as m
 from .bridge import EngineLike, GenerationHandle
 from .errors import APIError
 from .protocol import ChatCompletionRequest, CompletionRequest, parse
-from .responses import Context, Kind, TokenText, token_id_text
+from .responses import Context, Kind, TokenText
 from .streaming import EventStreamResponse, engine_error_message, stream_events, wait_unless_disconnected
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 CHAT_DEFAULT_MAX_TOKENS = 1024  # when a chat request names no limit (clipped to what the context leaves)
 RETRY_AFTER_S = 1
+MAX_BODY_BYTES = 32 << 20
 
 AnyRequest = Union[CompletionRequest, ChatCompletionRequest]
 
@@ -59,8 +60,7 @@ class ServerState:
         self.chat_default_max_tokens = chat_default_max_tokens
         self.created = int(time.time())
         self.metrics = m.ServerMetrics(engine.stats)
-        decode: Any = getattr(engine, "decode_token", None)  # a future core API; until then tokens are named by id
-        self.token_text: TokenText = decode if callable(decode) else token_id_text
+        self.token_text: TokenText = engine.decode_token
         self._lock = threading.Lock()
         self._handles: set[GenerationHandle] = set()
 
@@ -108,8 +108,16 @@ class ServerState:
         requested = req.requested_max_tokens()
         if requested is not None or isinstance(req, CompletionRequest):
             limit = requested if requested is not None else COMPLETION_DEFAULT_MAX_TOKENS
+            if limit >= int(self.info["kv_cache_tokens"]):  # the engine would reject it at admission, as a 500
+                raise errors.bad_request(
+                    f"max_tokens ({limit}) and the prompt cannot fit the KV cache ({self.info['kv_cache_tokens']} tokens); "
+                    "lower max_tokens",
+                    param="max_tokens",
+                    code="invalid_value",
+                )
             return self._start(req.generation_request(limit), arrived, on_end)
-        limit = min(self.chat_default_max_tokens, int(self.info["max_model_len"]) - 1)
+        # Half the KV cache at most, so that prompt + limit fits it unless the prompt alone is huge.
+        limit = min(self.chat_default_max_tokens, int(self.info["max_model_len"]) - 1, int(self.info["kv_cache_tokens"]) // 2)
         while True:
             try:
                 return self._start(req.generation_request(max(limit, 1)), arrived, on_end)
@@ -145,6 +153,23 @@ def request_id(request: Request, req: AnyRequest) -> str:
     return request.headers.get("x-request-id") or req.request_id or uuid.uuid4().hex
 
 
+async def read_body(request: Request, limit: int = MAX_BODY_BYTES) -> bytes:
+    """The request body, refused with 413 past `limit` bytes (checked as it arrives, not only by Content-Length)."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_large(limit)
+    body = bytearray()
+    async for part in request.stream():
+        body += part
+        if len(body) > limit:
+            raise too_large(limit)
+    return bytes(body)
+
+
+def too_large(limit: int) -> APIError:
+    return APIError(413, f"The request body is larger than {limit // (1 << 20)} MiB.", code="request_too_large")
+
+
 def state_of(request: Request) -> ServerState:
     state: ServerState = request.app.state.stepllm
     return state
@@ -156,7 +181,7 @@ async def _generate(request: Request, kind: Kind) -> Response:
     endpoint = "chat" if kind == "chat" else "completions"
     try:
         state.authorize(request)
-        req: AnyRequest = parse(ChatCompletionRequest if kind == "chat" else CompletionRequest, await request.body())
+        req: AnyRequest = parse(ChatCompletionRequest if kind == "chat" else CompletionRequest, await read_body(request))
         state.check_model(req.model)
         state.check_capacity()
         echo = req.single_prompt() if isinstance(req, CompletionRequest) and req.echo else None

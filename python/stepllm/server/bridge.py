@@ -53,7 +53,7 @@ _Item = Union[StreamChunk, BaseException, object]
 EndCallback = Callable[["GenerationHandle"], None]
 
 
-@dataclass
+@dataclass(eq=False)  # identity semantics: handles live in sets
 class GenerationHandle:
     """Submit with `start`; consume `chunks()`; read `response` after the end; `cancel()` at any time."""
 

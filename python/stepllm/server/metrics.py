@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from .bridge import Timing
 
 # The *_created series (one per label set) only double the output; vLLM drops them too.
-disable_created_metrics()
+disable_created_metrics()  # type: ignore[no-untyped-call]
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 

@@ -224,7 +224,7 @@ def parse(model: type[CompletionRequest] | type[ChatCompletionRequest], body: by
     try:
         return model.model_validate_json(body)
     except ValidationError as e:
-        first = e.errors(include_url=False)[0] if e.error_count() else {}
+        first: dict[str, Any] = dict(e.errors(include_url=False)[0]) if e.error_count() else {}
         if first.get("type") == "json_invalid":
             raise bad_request(f"The request body is not valid JSON: {first.get('msg', '')}", code="invalid_json") from None
         if first.get("type") == "model_type" and not first.get("loc"):

@@ -13,12 +13,6 @@ Kind = Literal["completion", "chat"]
 TokenText = Callable[[int], str]
 
 
-def token_id_text(token_id: int) -> str:
-    """How a token is named in logprobs while the core exposes no per-token detokenizer (vLLM's
-    --return-tokens-as-token-ids spelling)."""
-    return f"token_id:{token_id}"
-
-
 def finish_reason(response: GenerationResponse) -> str:
     r = response.finish_reason
     if r in (FinishReason.EOS, FinishReason.STOP):
@@ -43,8 +37,8 @@ class Context:
     kind: Kind
     id: str
     model: str
+    token_text: TokenText  # Engine.decode_token
     created: int = field(default_factory=lambda: int(time.time()))
-    token_text: TokenText = token_id_text
     include_usage: bool = False
     echo: str | None = None
 
@@ -151,7 +145,8 @@ class Context:
 
 
 def token_bytes(token: str) -> list[int] | None:
-    return None if token.startswith("token_id:") else list(token.encode("utf-8"))
+    # a token holding part of a UTF-8 character renders as U+FFFD; its true bytes are unknown here
+    return None if "\ufffd" in token else list(token.encode("utf-8"))
 
 
 def usage(response: GenerationResponse) -> dict[str, Any]:

@@ -6,19 +6,37 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from types import TracebackType
+from types import FrameType, TracebackType
 from typing import Any
 
 import uvicorn
+from starlette.applications import Starlette
 
 from .app import create_app
 from .bridge import EngineLike
 
 
+class _Server(uvicorn.Server):
+    """uvicorn's server, cancelling the requests in flight as soon as shutdown begins (Ctrl-C, SIGTERM), so open
+    streams end at once instead of holding the shutdown until they finish."""
+
+    def __init__(self, app: Starlette, config: uvicorn.Config) -> None:
+        super().__init__(config)
+        self.app = app
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        self.app.state.stepllm.cancel_all()
+        super().handle_exit(sig, frame)
+
+
 def serve(engine: EngineLike, host: str = "127.0.0.1", port: int = 8000, *, api_key: str | None = None, max_waiting: int = 256, log_level: str = "info") -> None:
     """Serve until interrupted (Ctrl-C / SIGTERM end it gracefully)."""
     app = create_app(engine, api_key=api_key, max_waiting=max_waiting)
-    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+    server = _Server(app, uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5))
+    try:
+        server.run()
+    except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it handled; the shutdown was clean
+        pass
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -57,6 +75,7 @@ class BackgroundServer:
         return self
 
     def stop(self, timeout: float = 10.0) -> None:
+        self.app.state.stepllm.cancel_all()
         self.server.should_exit = True
         self.thread.join(timeout)
 

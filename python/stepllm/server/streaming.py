@@ -112,7 +112,7 @@ async def wait_unless_disconnected(receive: Receive, handle: GenerationHandle) -
         done, _ = await asyncio.wait({result, watch}, return_when=asyncio.FIRST_COMPLETED)
         if result in done:
             return result.result()
-        handle.cancel()
+        watch.exception()  # a receive channel that broke counts as a disconnect too
         return None
     finally:
         watch.cancel()

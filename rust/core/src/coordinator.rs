@@ -7,13 +7,15 @@ use std::sync::{Arc, Mutex};
 use crate::error::{invalid, protocol, Result};
 use crate::ids::RequestId;
 use crate::intent::IntentBuilder;
-use crate::model::{load_model, Device, LoadProgress, LoadedModel};
+use crate::model::{load_model, Device, LoadProgress, LoadedModel, WeightDtype};
 use crate::request::{FinishReason, GenerationRequest, GenerationResponse, Prompt};
 use crate::state::context_cache::ContextCacheConfig;
 use crate::state::PoolCounts;
 use crate::step::{AdmissionIntent, AdmissionStatus, ImmutableDecodeBatch, ImmutablePrefillBatch, StepResult};
-use crate::stepped::{lock, materialize, SteppedRequest};
+use crate::parallel::rank::{RankCommand, RankGroup, RankReply};
+use crate::stepped::{materialize, SteppedRequest};
 use crate::stepper::{RuntimeStepper, StepperConfig};
+use crate::stepper_handle::StepperHandle;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ParallelConfig {
@@ -42,6 +44,8 @@ pub struct Config {
     pub max_model_len: Option<usize>,
     pub context_cache: ContextCacheConfig,
     pub parallel: ParallelConfig,
+    /// How weights are kept: None is the device's default (f32 on the CPU, bf16 on CUDA).
+    pub dtype: Option<WeightDtype>,
 }
 
 impl Config {
@@ -55,6 +59,7 @@ impl Config {
             max_model_len: None,
             context_cache: ContextCacheConfig::default(),
             parallel: ParallelConfig::default(),
+            dtype: None,
         }
     }
 
@@ -68,8 +73,28 @@ impl Config {
         if self.kv_cache_tokens < self.block_size {
             return invalid(format!("kv_cache_tokens ({}) must hold at least one block ({})", self.kv_cache_tokens, self.block_size));
         }
-        if self.parallel.tensor_parallel_size != 1 {
-            return invalid("tensor_parallel_size > 1 is not supported yet; use 1");
+        let tp = self.parallel.tensor_parallel_size;
+        if tp == 0 {
+            return invalid("tensor_parallel_size must be at least 1");
+        }
+        if !self.parallel.devices.is_empty() && self.parallel.devices.len() != tp {
+            return invalid(format!(
+                "parallel.devices lists {} devices but tensor_parallel_size is {tp}; list one device per rank or none",
+                self.parallel.devices.len()
+            ));
+        }
+        let mut seen = self.parallel.devices.clone();
+        seen.sort_unstable();
+        seen.dedup();
+        if seen.len() != self.parallel.devices.len() {
+            return invalid("parallel.devices lists a device twice; each rank needs its own");
+        }
+        if matches!(parse_device(&self.device)?, Device::Cuda(_)) && !cuda_available() {
+            return Err(crate::Error::Device(format!(
+                "device {:?} needs a CUDA GPU, but none is usable here (no driver or GPU, or stepllm was built \
+                 without CUDA kernels); use device=\"cpu\" or \"auto\"",
+                self.device
+            )));
         }
         Ok(())
     }
@@ -109,7 +134,9 @@ pub struct ModelInfo {
 }
 
 pub struct RuntimeCoordinator {
-    stepper: Arc<Mutex<RuntimeStepper>>,
+    stepper: StepperHandle,
+    /// The rank group when tensor_parallel_size > 1.
+    ranks: Option<Arc<RankGroup>>,
     intents: Arc<IntentBuilder>,
     active: Arc<AtomicBool>,
     info: ModelInfo,
@@ -124,13 +151,46 @@ impl RuntimeCoordinator {
     pub fn with_progress(config: Config, progress: Option<LoadProgress>) -> Result<Self> {
         config.validate()?;
         let device = parse_device(&config.device)?;
-        let loaded = load_model(std::path::Path::new(&config.model), device, progress)?;
+        let world = config.parallel.tensor_parallel_size;
+        if world > 1 {
+            let path = std::path::Path::new(&config.model);
+            let model = crate::parallel::load_parallel(path, device, config.dtype, world, progress)?;
+            return Self::from_parallel(model, &config);
+        }
+        let loaded = load_model(std::path::Path::new(&config.model), device, config.dtype, progress)?;
         Self::from_loaded(loaded, &config)
     }
 
-    pub fn from_loaded(loaded: LoadedModel, config: &Config) -> Result<Self> {
+    /// A tensor-parallel coordinator: one rank worker thread (and stepper) per shard.
+    pub fn from_parallel(model: crate::parallel::ParallelModel, config: &Config) -> Result<Self> {
         config.validate()?;
-        let LoadedModel { config: model_config, runner, tokenizer, chat_template, source } = loaded;
+        let crate::parallel::ParallelModel { config: model_config, runners, collective, faults, tokenizer, chat_template, source } = model;
+        let world = runners.len();
+        let (stepper_config, mut info, intents) = Self::plan(&model_config, config, &tokenizer, chat_template, source, runners[0].as_ref());
+        info.parameters = runners.iter().map(|r| r.parameter_count()).sum();
+        info.device = format!("{} x{world} (tensor parallel)", info.device);
+        let steppers = runners
+            .into_iter()
+            .map(|r| RuntimeStepper::new(r, Arc::clone(&tokenizer), model_config.eos_token_ids.clone(), stepper_config.clone()))
+            .collect::<Result<Vec<_>>>()?;
+        let group = Arc::new(RankGroup::start(steppers, collective, faults)?);
+        Ok(Self {
+            stepper: StepperHandle::Ranks(Arc::clone(&group)),
+            ranks: Some(group),
+            intents: Arc::new(intents),
+            active: Arc::new(AtomicBool::new(false)),
+            info,
+        })
+    }
+
+    fn plan(
+        model_config: &crate::model::ModelConfig,
+        config: &Config,
+        tokenizer: &Arc<crate::text::tokenizer::Tokenizer>,
+        chat_template: Option<crate::text::chat_template::ChatTemplate>,
+        source: String,
+        runner: &dyn crate::model::ModelRunner,
+    ) -> (StepperConfig, ModelInfo, IntentBuilder) {
         let max_model_len = config.max_model_len.unwrap_or(model_config.max_position_embeddings).max(2);
         let num_blocks = config.kv_cache_tokens.div_ceil(config.block_size);
         let stepper_config = StepperConfig {
@@ -153,14 +213,30 @@ impl RuntimeCoordinator {
             eos_token_ids: model_config.eos_token_ids.clone(),
         };
         let intents = IntentBuilder {
-            tokenizer: Arc::clone(&tokenizer),
+            tokenizer: Arc::clone(tokenizer),
             chat_template,
             vocab_size: model_config.vocab_size,
             max_model_len,
             kv_capacity_tokens: num_blocks * config.block_size,
         };
+        (stepper_config, info, intents)
+    }
+
+    pub fn from_loaded(loaded: LoadedModel, config: &Config) -> Result<Self> {
+        config.validate()?;
+        if config.parallel.tensor_parallel_size != 1 {
+            return invalid("a loaded single-rank model cannot serve tensor_parallel_size > 1; load it through RuntimeCoordinator::new");
+        }
+        let LoadedModel { config: model_config, runner, tokenizer, chat_template, source } = loaded;
+        let (stepper_config, info, intents) = Self::plan(&model_config, config, &tokenizer, chat_template, source, runner.as_ref());
         let stepper = RuntimeStepper::new(runner, tokenizer, model_config.eos_token_ids.clone(), stepper_config)?;
-        Ok(Self { stepper: Arc::new(Mutex::new(stepper)), intents: Arc::new(intents), active: Arc::new(AtomicBool::new(false)), info })
+        Ok(Self {
+            stepper: StepperHandle::Local(Arc::new(Mutex::new(stepper))),
+            ranks: None,
+            intents: Arc::new(intents),
+            active: Arc::new(AtomicBool::new(false)),
+            info,
+        })
     }
 
     pub fn info(&self) -> &ModelInfo {
@@ -171,20 +247,20 @@ impl RuntimeCoordinator {
         &self.intents
     }
 
-    /// The shared stepper, for the engine's actor thread.
-    pub fn stepper(&self) -> &Arc<Mutex<RuntimeStepper>> {
+    /// The shared stepper (or rank group), for the engine's actor thread.
+    pub fn stepper(&self) -> &StepperHandle {
         &self.stepper
     }
 
     pub fn counts(&self) -> PoolCounts {
-        lock(&self.stepper).counts()
+        self.stepper.counts()
     }
 
     /// Begin a stepped session with a founder request; its prefill runs now and is reported by the first
     /// prefill tick.
     pub fn begin_stepped(&self, request: GenerationRequest, request_id: RequestId, original_index: u32) -> Result<SteppedRequest> {
         self.claim_session()?;
-        SteppedRequest::begin(Arc::clone(&self.stepper), Arc::clone(&self.intents), Arc::clone(&self.active), request, request_id, original_index)
+        SteppedRequest::begin(self.stepper.clone(), Arc::clone(&self.intents), Arc::clone(&self.active), request, request_id, original_index)
     }
 
     pub(crate) fn claim_session(&self) -> Result<()> {
@@ -211,7 +287,7 @@ impl RuntimeCoordinator {
             .map(|(i, r)| self.intents.build(r, i as RequestId + 1, i as u32))
             .collect::<Result<Vec<_>>>()?;
         self.claim_session()?;
-        let result = run_batch(&mut lock(&self.stepper), intents);
+        let result = run_batch(&self.stepper, intents);
         self.release_session();
         result
     }
@@ -226,14 +302,14 @@ impl RuntimeCoordinator {
             other => self.intents.prompt_ids(&GenerationRequest::new(other, Default::default()))?,
         };
         self.claim_session()?;
-        let result = lock(&self.stepper).save_pinned_prefix(&ids);
+        let result = self.stepper.save_pinned_prefix(&ids);
         self.release_session();
         result
     }
 
     /// Capture decode CUDA graphs per batch-size bucket; false where the backend has none (the CPU).
     pub fn capture_decoding_cuda_graph(&self) -> Result<bool> {
-        lock(&self.stepper).capture_decode_graphs()
+        self.stepper.capture_decode_graphs()
     }
 
     pub fn supports_stepped_execution(&self) -> bool {
@@ -245,16 +321,60 @@ impl RuntimeCoordinator {
     }
 
     pub fn world_size(&self) -> usize {
-        1
+        self.ranks.as_ref().map_or(1, |g| g.world_size())
     }
 
+    /// Every rank of the group runs in this process, so it owns every rank below world_size.
     pub fn owns_global_rank(&self, rank: usize) -> bool {
-        rank == 0
+        rank < self.world_size()
+    }
+
+    /// Whether every rank (all local) succeeded, and agreed, in the latest stepped command.
+    pub fn local_ranks_succeeded(&self) -> bool {
+        self.ranks.as_ref().is_none_or(|g| g.local_ranks_succeeded())
+    }
+
+    /// Rank `rank`'s own result of the latest prefill or decode step, once; None for other commands, a
+    /// rank outside the group, or a response already taken. A rank's error comes back as Err.
+    pub fn take_rank_response(&self, rank: usize) -> Option<Result<StepResult>> {
+        let group = self.ranks.as_ref()?;
+        match group.take_rank_response(rank)? {
+            Ok(RankReply::Step(step)) => Some(Ok(step)),
+            Ok(_) => None,
+            Err(e) => Some(Err(e)),
+        }
+    }
+
+    /// Make rank `rank` fail (an error, or a panic) in its next collective: for tests of rank failure. A
+    /// protocol error without ranks.
+    #[doc(hidden)]
+    pub fn inject_rank_fault(&self, rank: usize, fault: crate::parallel::Fault) -> Result<()> {
+        match &self.ranks {
+            Some(g) => g.inject_fault(rank, fault),
+            None => protocol("inject_rank_fault needs tensor_parallel_size > 1"),
+        }
+    }
+
+    /// Every rank's own pool counts and residents, for invariant checks on every rank.
+    pub fn per_rank_state(&self) -> Result<Vec<(PoolCounts, Vec<crate::ids::ResidentRef>)>> {
+        let Some(g) = &self.ranks else {
+            return Ok(vec![(self.stepper.counts(), self.stepper.residents()?)]);
+        };
+        let counts = g.per_rank(RankCommand::Counts)?;
+        let residents = g.per_rank(RankCommand::Residents)?;
+        counts
+            .into_iter()
+            .zip(residents)
+            .map(|pair| match pair {
+                (RankReply::Counts(c), RankReply::Residents(r)) => Ok((c, r)),
+                other => Err(crate::Error::Internal(format!("unexpected rank replies {other:?}"))),
+            })
+            .collect()
     }
 }
 
 /// FCFS: admit and prefill while capacity allows (prefill first), otherwise decode every resident.
-fn run_batch(stepper: &mut RuntimeStepper, intents: Vec<AdmissionIntent>) -> Result<Vec<GenerationResponse>> {
+fn run_batch(stepper: &StepperHandle, intents: Vec<AdmissionIntent>) -> Result<Vec<GenerationResponse>> {
     let n = intents.len();
     let mut waiting: VecDeque<AdmissionIntent> = intents.into();
     let mut responses: Vec<Option<GenerationResponse>> = (0..n).map(|_| None).collect();
@@ -263,7 +383,7 @@ fn run_batch(stepper: &mut RuntimeStepper, intents: Vec<AdmissionIntent>) -> Res
             responses[batch.identity.original_index as usize] = Some(materialize(batch, &[]));
         }
     };
-    while !waiting.is_empty() || !stepper.residents().is_empty() {
+    while !waiting.is_empty() || !stepper.residents()?.is_empty() {
         if let Some(head) = waiting.front().cloned() {
             let adm = stepper.admit(head.clone())?;
             match adm.status {
@@ -278,13 +398,13 @@ fn run_batch(stepper: &mut RuntimeStepper, intents: Vec<AdmissionIntent>) -> Res
                     responses[head.original_index as usize] = Some(rejected_response(&head, adm.reason.unwrap_or_default()));
                     continue;
                 }
-                AdmissionStatus::NoCapacity if stepper.residents().is_empty() => {
+                AdmissionStatus::NoCapacity if stepper.residents()?.is_empty() => {
                     return Err(crate::Error::Internal(format!("request {} cannot be admitted into an idle runtime: {}", head.request_id, adm.reason.unwrap_or_default())));
                 }
                 AdmissionStatus::NoCapacity => {}
             }
         }
-        let step = stepper.decode(&ImmutableDecodeBatch { residents: stepper.residents() })?;
+        let step = stepper.decode(&ImmutableDecodeBatch { residents: stepper.residents()? })?;
         collect(&step, &mut responses);
     }
     Ok(responses.into_iter().map(|r| r.expect("every request finished")).collect())

@@ -14,8 +14,8 @@ use crate::intent::IntentBuilder;
 use crate::request::{FinishReason, GenerationRequest, GenerationResponse};
 use crate::state::PoolCounts;
 use crate::step::{AdmissionIntent, AdmissionStatus, ImmutableDecodeBatch, ImmutablePrefillBatch, StepResult};
-use crate::stepped::{lock, materialize};
-use crate::stepper::RuntimeStepper;
+use crate::stepped::materialize;
+use crate::stepper_handle::StepperHandle;
 
 /// What a request's stream carries, in order: deltas, then exactly one Finished.
 #[derive(Debug, Clone, PartialEq)]
@@ -65,7 +65,7 @@ impl RequestEngine {
         let (tx, rx) = channel();
         let stats = Arc::new(Mutex::new(EngineStats::default()));
         let actor = Actor {
-            stepper: Arc::clone(coordinator.stepper()),
+            stepper: coordinator.stepper().clone(),
             commands: rx,
             waiting: VecDeque::new(),
             running: HashMap::new(),
@@ -82,15 +82,22 @@ impl RequestEngine {
         &self.coordinator
     }
 
-    /// Validate and tokenize on the caller's thread (bad input raises here), then queue.
+    /// Validate and tokenize on the caller's thread (bad input raises here), then queue. A request whose
+    /// prompt + max_tokens can never fit the KV cache raises too: the queue would only ever reject it.
     pub fn submit(&self, request: GenerationRequest) -> Result<RequestHandle> {
         let id = self.next_id.fetch_add(1, Ordering::SeqCst);
         let intent = self.intents.build(request, id, 0)?;
+        self.intents.check_fits_kv_cache(&intent, self.coordinator.info().block_size)?;
         let (tx, rx) = channel();
         self.commands
             .send(Command::Submit { intent, events: tx })
             .map_err(|_| Error::Protocol("the engine has shut down; create a new one".into()))?;
         Ok(RequestHandle { id, events: rx })
+    }
+
+    /// The text of one token, special tokens included.
+    pub fn decode_token(&self, token_id: u32) -> Result<String> {
+        self.intents.tokenizer.decode(&[token_id], false)
     }
 
     /// Cancel a request wherever it is; its stream ends with finish reason CANCELLED. Unknown ids are ignored.
@@ -127,7 +134,7 @@ struct Running {
 }
 
 struct Actor {
-    stepper: Arc<Mutex<RuntimeStepper>>,
+    stepper: StepperHandle,
     commands: Receiver<Command>,
     waiting: VecDeque<(AdmissionIntent, Sender<EngineEvent>)>,
     running: HashMap<RequestId, Running>,
@@ -172,7 +179,7 @@ impl Actor {
             let _ = events.send(EngineEvent::Finished(unstarted_response(&intent, FinishReason::Cancelled, None)));
             self.count_finish(FinishReason::Cancelled);
         } else if let Some(run) = self.running.get(&id) {
-            let _ = lock(&self.stepper).cancel(run.resident);
+            let _ = self.stepper.cancel(run.resident);
         }
     }
 
@@ -180,14 +187,14 @@ impl Actor {
     fn tick(&mut self) -> Result<()> {
         if let Some((head, _)) = self.waiting.front() {
             let head = head.clone();
-            let adm = lock(&self.stepper).admit(head.clone())?;
+            let adm = self.stepper.admit(head.clone())?;
             match adm.status {
                 AdmissionStatus::Admitted => {
                     let (_, events) = self.waiting.pop_front().expect("head exists");
                     let resident = adm.resident.expect("admitted");
                     self.add_stat(|s| s.prompt_tokens += head.prompt_ids.len() as u64);
                     self.running.insert(head.request_id, Running { events, resident, streamed_tokens: 0, streamed_text: 0 });
-                    let step = lock(&self.stepper).prefill(&ImmutablePrefillBatch { target: resident })?;
+                    let step = self.stepper.prefill(&ImmutablePrefillBatch { target: resident })?;
                     self.deliver(step);
                     return Ok(());
                 }
@@ -200,9 +207,9 @@ impl Actor {
                 AdmissionStatus::NoCapacity => {}
             }
         }
-        let residents = lock(&self.stepper).residents();
+        let residents = self.stepper.residents()?;
         if !residents.is_empty() {
-            let step = lock(&self.stepper).decode(&ImmutableDecodeBatch { residents })?;
+            let step = self.stepper.decode(&ImmutableDecodeBatch { residents })?;
             self.deliver(step);
         }
         Ok(())
@@ -243,7 +250,7 @@ impl Actor {
     }
 
     fn abort_everything(&mut self) {
-        for (_, batch) in lock(&self.stepper).abort_all() {
+        for (_, batch) in self.stepper.abort_all() {
             if let Some(run) = self.running.remove(&batch.identity.request_id) {
                 let _ = run.events.send(EngineEvent::Finished(materialize(&batch, &[])));
             }
@@ -262,7 +269,7 @@ impl Actor {
 
     /// A step failed as a whole (a bug or a device failure): fail everyone, free everything, keep serving.
     fn fail_everything(&mut self, e: &Error) {
-        for (_, batch) in lock(&self.stepper).abort_all() {
+        for (_, batch) in self.stepper.abort_all() {
             if let Some(run) = self.running.remove(&batch.identity.request_id) {
                 let mut response = materialize(&batch, &[]);
                 response.finish_reason = FinishReason::Error;

@@ -61,6 +61,20 @@ impl IntentBuilder {
         Ok(ids)
     }
 
+    /// Whether the whole generate budget (prompt + max_tokens, in whole KV blocks) fits the KV cache at all.
+    pub fn check_fits_kv_cache(&self, intent: &AdmissionIntent, block_size: usize) -> Result<()> {
+        let tokens = intent.prompt_ids.len() + intent.request.sampling.max_tokens;
+        if tokens.div_ceil(block_size) * block_size > self.kv_capacity_tokens {
+            return invalid(format!(
+                "prompt ({} tokens) + max_tokens ({}) exceeds the KV cache ({} tokens); lower max_tokens or raise kv_cache_tokens",
+                intent.prompt_ids.len(),
+                intent.request.sampling.max_tokens,
+                self.kv_capacity_tokens
+            ));
+        }
+        Ok(())
+    }
+
     fn check_token_ids(&self, what: &str, ids: impl Iterator<Item = u32>) -> Result<()> {
         for id in ids {
             if id as usize >= self.vocab_size {

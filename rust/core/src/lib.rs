@@ -14,7 +14,9 @@ pub mod session;
 pub mod state;
 pub mod step;
 pub mod stepped;
+pub mod parallel;
 pub mod stepper;
+pub mod stepper_handle;
 pub mod text;
 
 pub use error::{Error, Result};

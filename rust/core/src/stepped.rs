@@ -4,6 +4,8 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
+use crate::stepper_handle::StepperHandle;
+
 use crate::error::{protocol, Error, Result};
 use crate::ids::{RequestId, ResidentRef};
 use crate::intent::IntentBuilder;
@@ -54,7 +56,7 @@ enum FounderState {
 }
 
 pub struct SteppedRequest {
-    stepper: Arc<Mutex<RuntimeStepper>>,
+    stepper: StepperHandle,
     intents: Arc<IntentBuilder>,
     /// The coordinator's "a stepped session is active" flag, cleared when this one closes.
     active: Arc<AtomicBool>,
@@ -66,7 +68,7 @@ pub struct SteppedRequest {
 impl SteppedRequest {
     /// Admit the founder and run its prefill. The caller has set `active`; on error it is cleared here.
     pub(crate) fn begin(
-        stepper: Arc<Mutex<RuntimeStepper>>,
+        stepper: StepperHandle,
         intents: Arc<IntentBuilder>,
         active: Arc<AtomicBool>,
         request: GenerationRequest,
@@ -91,14 +93,14 @@ impl SteppedRequest {
     }
 
     fn seat_and_prefill_founder(
-        stepper: &Arc<Mutex<RuntimeStepper>>,
+        stepper: &StepperHandle,
         intents: &IntentBuilder,
         request: GenerationRequest,
         request_id: RequestId,
         original_index: u32,
     ) -> Result<(ResidentRef, StepResult)> {
         let intent = intents.build(request, request_id, original_index)?;
-        let mut s = lock(stepper);
+        let s = stepper;
         let adm = s.admit(intent)?;
         let founder = match adm.status {
             AdmissionStatus::Admitted => adm.resident.expect("admitted results carry a ref"),
@@ -119,13 +121,13 @@ impl SteppedRequest {
 
     /// Pool and cache counts, for invariant checks.
     pub fn counts(&self) -> crate::state::PoolCounts {
-        lock(&self.stepper).counts()
+        self.stepper.counts()
     }
 
     /// Latch a cancel for one resident; the next step naming it reports it finished.
     pub fn cancel(&mut self, r: ResidentRef) -> Result<()> {
         self.ensure_open()?;
-        lock(&self.stepper).cancel(r)
+        self.stepper.cancel(r)
     }
 
     fn ensure_founder_reported(&self) -> Result<()> {
@@ -167,12 +169,12 @@ impl SteppedExecution for SteppedRequest {
     fn admit(&mut self, intent: AdmissionIntent) -> Result<AdmissionResult> {
         self.ensure_open()?;
         self.ensure_founder_reported()?;
-        lock(&self.stepper).admit(intent)
+        self.stepper.admit(intent)
     }
 
     fn prefill(&mut self, batch: &ImmutablePrefillBatch) -> Result<StepResult> {
         self.ensure_open()?;
-        let seated = lock(&self.stepper).seated();
+        let seated = self.stepper.seated()?;
         if seated.is_none() {
             if let FounderState::Unreported(_) = self.founder_state {
                 if batch.target != self.founder {
@@ -186,7 +188,7 @@ impl SteppedExecution for SteppedRequest {
                 return Ok(first);
             }
         }
-        let result = lock(&self.stepper).prefill(batch)?;
+        let result = self.stepper.prefill(batch)?;
         self.observe(&result);
         Ok(result)
     }
@@ -194,7 +196,7 @@ impl SteppedExecution for SteppedRequest {
     fn decode(&mut self, batch: &ImmutableDecodeBatch) -> Result<StepResult> {
         self.ensure_open()?;
         self.ensure_founder_reported()?;
-        let result = lock(&self.stepper).decode(batch)?;
+        let result = self.stepper.decode(batch)?;
         self.observe(&result);
         Ok(result)
     }
@@ -205,7 +207,7 @@ impl SteppedExecution for SteppedRequest {
         if self.closed {
             return Ok(Vec::new());
         }
-        let mut live = lock(&self.stepper).residents();
+        let mut live = self.stepper.residents()?;
         if matches!(self.founder_state, FounderState::Unreported(_)) && !live.contains(&self.founder) {
             live.insert(0, self.founder);
         }
@@ -235,7 +237,7 @@ impl SteppedExecution for SteppedRequest {
 
     fn abort(&mut self) -> Result<()> {
         if !self.closed {
-            lock(&self.stepper).abort_all();
+            self.stepper.abort_all();
             self.close();
         }
         Ok(())

@@ -3,14 +3,17 @@
 //!
 //!     cargo test --release -p stepllm-core --test golden_speed -- --ignored --nocapture
 //!
+//! Every weight dtype is timed in turn; `STEPLLM_SPEED_DTYPES=bf16,int8` picks some, and
+//! `STEPLLM_SPEED_SHAPES=short` skips the long-context cases.
+//!
 //! `--release` matters: the test profile keeps debug assertions, whose overflow and pointer checks in the
 //! matmul inner loops (ours and gemm's) cost about a factor of two.
 
 use std::time::Instant;
 
-use stepllm_core::model::llama::build_runner;
+use stepllm_core::model::llama::build_runner_with;
 use stepllm_core::model::loader::{HostTensor, WeightSource};
-use stepllm_core::model::{Architecture, Device, ForwardBatch, ModelConfig, ModelRunner, SeqSlice};
+use stepllm_core::model::{Architecture, Device, ForwardBatch, ModelConfig, ModelRunner, SeqSlice, WeightDtype};
 
 const BLOCK_SIZE: usize = 16;
 const DECODE_STEPS: usize = 32;
@@ -133,16 +136,22 @@ fn time_decode(runner: &mut dyn ModelRunner, batch: usize, prompt: usize) {
 #[ignore = "timing, not a check: run with --ignored --nocapture"]
 fn smollm2_135m_shaped_decode_speed() {
     let config = smollm2_135m();
-    let started = Instant::now();
-    let mut runner = build_runner(&config, &RandomWeights(config.clone()), Device::Cpu).unwrap();
-    eprintln!(
-        "loaded {} parameters on {} in {:.1} s",
-        runner.parameter_count(),
-        runner.device_description(),
-        started.elapsed().as_secs_f64()
-    );
-    for (batch, prompt) in [(1, 64), (8, 64), (1, 1024), (8, 512)] {
-        time_decode(runner.as_mut(), batch, prompt); // warm-up: sizes scratch buffers and touches the cache
-        time_decode(runner.as_mut(), batch, prompt);
+    let dtypes = std::env::var("STEPLLM_SPEED_DTYPES").unwrap_or_else(|_| "f32,bf16,int8".into());
+    let short = std::env::var("STEPLLM_SPEED_SHAPES").is_ok_and(|s| s == "short");
+    for dtype in dtypes.split(',') {
+        let dtype = WeightDtype::parse(dtype.trim()).unwrap();
+        let started = Instant::now();
+        let mut runner = build_runner_with(&config, &RandomWeights(config.clone()), Device::Cpu, Some(dtype)).unwrap();
+        eprintln!(
+            "loaded {} parameters on {} in {:.1} s",
+            runner.parameter_count(),
+            runner.device_description(),
+            started.elapsed().as_secs_f64()
+        );
+        let shapes: &[(usize, usize)] = if short { &[(1, 64), (8, 64)] } else { &[(1, 64), (8, 64), (1, 1024), (8, 512)] };
+        for &(batch, prompt) in shapes {
+            time_decode(runner.as_mut(), batch, prompt); // warm-up: sizes scratch buffers and touches the cache
+            time_decode(runner.as_mut(), batch, prompt);
+        }
     }
 }

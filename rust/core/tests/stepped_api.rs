@@ -161,3 +161,38 @@ fn system_prompt_records_stay_pinned_and_are_hit() {
     let c = coord.counts();
     assert_eq!(c.free_blocks + c.leased_blocks + c.cached_blocks, c.total_blocks);
 }
+
+#[test]
+fn commit_including_generated_tokens_lets_a_follow_up_hit_them() {
+    use stepllm_core::state::context_cache::CommitPolicy;
+    let mut config = small_config("llama", 4, 1024, 4);
+    config.context_cache.commit = CommitPolicy::IncludingGenerated;
+    let coord = stepllm_core::coordinator::RuntimeCoordinator::new(config).unwrap();
+    let prompt: Vec<u32> = (0..9).map(|i| (i * 13 + 5) % 400).collect();
+    let first = coord.dispatch_request(vec![greedy_ids(&prompt, 12)]).unwrap().remove(0);
+    // the follow-up's prompt is the whole first conversation: prompt + generated tokens
+    let mut follow: Vec<u32> = prompt.clone();
+    follow.extend(&first.output_ids);
+    let hit = coord.dispatch_request(vec![greedy_ids(&follow, 4)]).unwrap().remove(0);
+    assert_eq!(hit.cached_prompt_tokens, 20, "blocks of generated tokens were published and hit");
+    let plain = coordinator("llama").dispatch_request(vec![greedy_ids(&follow, 4)]).unwrap().remove(0);
+    assert_eq!(plain.cached_prompt_tokens, 0);
+    assert_eq!(hit.output_ids, plain.output_ids);
+}
+
+#[test]
+fn max_records_bounds_the_cache_and_prefill_only_skips_generated_blocks() {
+    let mut config = small_config("llama", 4, 1024, 4);
+    config.context_cache.max_records = 3;
+    let coord = stepllm_core::coordinator::RuntimeCoordinator::new(config).unwrap();
+    let prompt: Vec<u32> = (0..30).map(|i| (i * 7 + 1) % 400).collect();
+    coord.dispatch_request(vec![greedy_ids(&prompt, 12)]).unwrap();
+    let c = coord.counts();
+    assert_eq!(c.cached_blocks, 3, "{c:?}");
+    assert_eq!(c.free_blocks + c.leased_blocks + c.cached_blocks, c.total_blocks);
+    // the default commit policy (prefill only) never publishes generated tokens
+    let mut follow = prompt.clone();
+    follow.extend(coord.dispatch_request(vec![greedy_ids(&prompt, 12)]).unwrap().remove(0).output_ids);
+    let again = coord.dispatch_request(vec![greedy_ids(&follow, 2)]).unwrap().remove(0);
+    assert!(again.cached_prompt_tokens <= 28, "{}", again.cached_prompt_tokens);
+}

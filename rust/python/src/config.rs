@@ -6,6 +6,7 @@ use std::path::PathBuf;
 
 use pyo3::prelude::*;
 use stepllm_core::coordinator::{Config, ParallelConfig};
+use stepllm_core::model::WeightDtype;
 use stepllm_core::state::context_cache::{CommitPolicy, ContextCacheConfig, LookupPolicy};
 
 use crate::errors::{invalid, to_py};
@@ -191,7 +192,7 @@ impl PyConfig {
     /// Unset values take the core's defaults; validated on construction (InvalidRequestError).
     #[new]
     #[pyo3(signature = (model=None, device=None, max_batch_size=None, kv_cache_tokens=None, block_size=None,
-        max_model_len=None, context_cache=None, parallel=None))]
+        max_model_len=None, context_cache=None, parallel=None, dtype=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -203,6 +204,7 @@ impl PyConfig {
         max_model_len: Option<usize>,
         context_cache: Option<PyContextCacheConfig>,
         parallel: Option<PyParallelConfig>,
+        dtype: Option<&str>,
     ) -> PyResult<Self> {
         let mut c = Self::default_config();
         c.model = model.map(|m| m.to_string_lossy().into_owned());
@@ -225,6 +227,10 @@ impl PyConfig {
         if let Some(v) = parallel {
             c.inner.parallel = v.0;
         }
+        c.inner.dtype = match dtype {
+            None | Some("auto") => None,
+            Some(name) => Some(WeightDtype::parse(name).map_err(|e| to_py(py, e))?),
+        };
         c.inner.validate().map_err(|e| to_py(py, e))?;
         Ok(c)
     }
@@ -260,6 +266,11 @@ impl PyConfig {
     fn parallel(&self) -> PyParallelConfig {
         PyParallelConfig(self.inner.parallel.clone())
     }
+    /// "f32", "bf16", "int8", or None for the device's default (f32 on the CPU, bf16 on CUDA).
+    #[getter]
+    fn dtype(&self) -> Option<&'static str> {
+        self.inner.dtype.map(WeightDtype::name)
+    }
     fn __hash__(&self) -> u64 {
         crate::hashing::py_hash(&(self.model.clone(), self.inner.clone()))
     }
@@ -267,7 +278,7 @@ impl PyConfig {
         py_repr!(py, "Config", "model" => self.model(), "device" => self.device(),
             "max_batch_size" => self.inner.max_batch_size, "kv_cache_tokens" => self.inner.kv_cache_tokens,
             "block_size" => self.inner.block_size, "max_model_len" => self.inner.max_model_len,
-            "context_cache" => self.context_cache(), "parallel" => self.parallel())
+            "context_cache" => self.context_cache(), "parallel" => self.parallel(), "dtype" => self.dtype())
     }
 }
 

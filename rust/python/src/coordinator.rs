@@ -125,6 +125,33 @@ impl PyRuntimeCoordinator {
         self.inner.owns_global_rank(rank)
     }
 
+    /// Whether every rank (all in this process) succeeded, and agreed, in the latest stepped command.
+    fn local_ranks_succeeded(&self) -> bool {
+        self.inner.local_ranks_succeeded()
+    }
+
+    /// Rank `rank`'s own StepResult of the latest prefill or decode, once; None otherwise. A rank's error raises.
+    fn take_rank_response(&self, py: Python<'_>, rank: usize) -> PyResult<Option<PyStepResult>> {
+        match self.inner.take_rank_response(rank) {
+            None => Ok(None),
+            Some(Ok(step)) => Ok(Some(PyStepResult(step))),
+            Some(Err(e)) => Err(crate::errors::to_py(py, e)),
+        }
+    }
+
+    /// Every rank's own pool counts, rank 0 first (one entry without tensor parallelism).
+    fn rank_counts<'py>(&self, py: Python<'py>) -> PyResult<Vec<Bound<'py, PyDict>>> {
+        let state = compute(py, || self.inner.per_rank_state())?;
+        state.iter().map(|(c, _)| counts_dict(py, c)).collect()
+    }
+
+    /// Testing only: make rank `rank` fail (raise, or panic when `panic`) in its next collective.
+    #[pyo3(signature = (rank, panic=false))]
+    fn _inject_rank_fault(&self, py: Python<'_>, rank: usize, panic: bool) -> PyResult<()> {
+        let fault = if panic { stepllm_core::parallel::Fault::Panic } else { stepllm_core::parallel::Fault::Error };
+        compute(py, || self.inner.inject_rank_fault(rank, fault))
+    }
+
     /// Pool and cache counts (PoolCounts fields).
     fn counts<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let c = compute_ok(py, || self.inner.counts())?;

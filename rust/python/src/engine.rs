@@ -106,6 +106,16 @@ impl PyEngine {
         info_dict(py, &info)
     }
 
+    /// Prompt tokens of a request as the model will see it (chat template applied).
+    fn count_prompt_tokens(&self, py: Python<'_>, request: PyGenerationRequest) -> PyResult<usize> {
+        compute(py, || read(&self.inner).as_ref().ok_or_else(shut_down)?.coordinator().count_prompt_tokens(&request.0))
+    }
+
+    /// The text of one token id, special tokens included (for logprob displays).
+    fn decode_token(&self, py: Python<'_>, token_id: u32) -> PyResult<String> {
+        compute(py, || read(&self.inner).as_ref().ok_or_else(shut_down)?.decode_token(token_id))
+    }
+
     /// Pool and cache counts (PoolCounts fields).
     fn counts<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let c = compute(py, || {

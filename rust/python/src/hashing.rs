@@ -45,7 +45,8 @@ via_hash!(
     stepllm_core::step::SequenceWork,
     stepllm_core::step::ScheduledSequenceDescriptor,
     stepllm_core::step::StepExecution,
-    stepllm_core::step::TokenDelta
+    stepllm_core::step::TokenDelta,
+    stepllm_core::model::WeightDtype
 );
 
 impl HashValue for f32 {
@@ -104,7 +105,7 @@ fields!(BatchResult: identity, prompt_ids, output_ids, text, finish_reason, stop
 fields!(StepResult: ok, work, step_id, participants, execution, deltas, finished, published_prefix);
 fields!(AdmissionIntent: request_id, original_index, request, prompt_ids);
 fields!(ParallelConfig: tensor_parallel_size, devices);
-fields!(Config: model, device, max_batch_size, kv_cache_tokens, block_size, max_model_len, context_cache, parallel);
+fields!(Config: model, device, max_batch_size, kv_cache_tokens, block_size, max_model_len, context_cache, parallel, dtype);
 
 impl HashValue for Prompt {
     fn hash_value(&self, h: &mut DefaultHasher) {

@@ -1,11 +1,11 @@
-//! The CPU backend: f32 compute, multithreaded (SIMD kernels and gemm for matmuls, rayon for the rest).
-//! With f32 weights (the default) it is exact and the reference every GPU kernel is checked against; bf16
-//! or int8 weights halve or quarter the bytes a decode step streams, still multiplied and summed in f32.
+//! The CPU backend: f32 compute, multithreaded (our SIMD matmul kernels, rayon for the rest). With f32
+//! weights (the default) it is exact and the reference every GPU kernel is checked against; bf16 or int8
+//! weights halve or quarter the bytes a decode step streams, still multiplied and summed in f32.
 
 use super::batch::BatchPlan;
 use super::cpu_attention::{self, CpuKvCache};
 use super::cpu_kernels::{for_each_row, rms_norm_row, silu, PARALLEL_ELEMENTS};
-use super::cpu_matmul::{f32_to_bf16, matmul_transposed, quantize_row_int8, Kernels, Weights};
+use super::cpu_matmul::{matmul_transposed, pack_bf16, pack_f32, pack_int8, Kernels, Weights};
 use super::{AttentionShape, Backend, KvCacheShape};
 use crate::error::{Error, Result};
 use crate::model::loader::HostTensor;
@@ -82,7 +82,8 @@ impl CpuTensor {
     }
 }
 
-/// A weight matrix `[rows = out_features, cols = in_features]`.
+/// A weight matrix `[rows = out_features, cols = in_features]`, stored in the matmul kernels' column panels
+/// (`cpu_matmul::Weights`); an embedding lookup gathers its row from them.
 #[derive(Debug, Clone)]
 pub struct CpuMatrix {
     rows: usize,
@@ -148,15 +149,10 @@ impl Backend for CpuBackend {
         };
         check_host_len(&host)?;
         let storage = match self.weight_format {
-            CpuWeightFormat::F32 => MatrixStorage::F32(host.data),
-            CpuWeightFormat::Bf16 => MatrixStorage::Bf16(host.data.par_iter().map(|&w| f32_to_bf16(w)).collect()),
+            CpuWeightFormat::F32 => MatrixStorage::F32(pack_f32(&host.data, rows, cols)),
+            CpuWeightFormat::Bf16 => MatrixStorage::Bf16(pack_bf16(&host.data, rows, cols)),
             CpuWeightFormat::Int8 => {
-                let mut values = vec![0i8; host.data.len()];
-                let mut scales = vec![0f32; rows];
-                if cols > 0 {
-                    let rows_in = host.data.par_chunks(cols).zip(values.par_chunks_mut(cols));
-                    rows_in.zip(scales.par_iter_mut()).for_each(|((w, q), s)| *s = quantize_row_int8(w, q));
-                }
+                let (values, scales) = pack_int8(&host.data, rows, cols);
                 MatrixStorage::Int8 { values, scales }
             }
         };
@@ -327,4 +323,58 @@ fn check_same_shape(op: &str, a: &CpuTensor, b: &CpuTensor) -> Result<()> {
 
 pub(super) fn internal<T>(msg: String) -> Result<T> {
     Err(Error::Internal(msg))
+}
+
+/// A CPU model runner whose forward passes run on a rayon worker thread.
+///
+/// A forward fans out to the thread pool a few hundred times (every matmul, most attention calls). Called
+/// from a thread outside the pool, each fan-out injects its job and puts the caller to sleep until the pool
+/// finishes: two context switches per op, a measurable share of a batch-1 decode step on a small machine.
+/// Run on a worker, the same fan-outs split work with the other workers while this one takes part.
+pub struct InRayonPool<R>(pub R);
+
+impl<R> InRayonPool<R> {
+    fn run<T: Send>(f: impl FnOnce() -> T + Send) -> T {
+        if rayon::current_thread_index().is_some() {
+            f()
+        } else {
+            rayon::scope(|_| f())
+        }
+    }
+}
+
+impl<R: crate::model::ModelRunner> crate::model::ModelRunner for InRayonPool<R> {
+    fn config(&self) -> &crate::model::ModelConfig {
+        self.0.config()
+    }
+
+    fn allocate_kv_cache(&mut self, num_blocks: usize, block_size: usize) -> Result<()> {
+        self.0.allocate_kv_cache(num_blocks, block_size)
+    }
+
+    fn forward(&mut self, batch: &crate::model::ForwardBatch) -> Result<Vec<f32>> {
+        let inner = &mut self.0;
+        Self::run(move || inner.forward(batch))
+    }
+
+    fn forward_and_sample(
+        &mut self,
+        batch: &crate::model::ForwardBatch,
+        rows: &[crate::sampling::RowContext],
+    ) -> Result<Vec<crate::sampling::Sampled>> {
+        let inner = &mut self.0;
+        Self::run(move || inner.forward_and_sample(batch, rows))
+    }
+
+    fn device_description(&self) -> String {
+        self.0.device_description()
+    }
+
+    fn parameter_count(&self) -> usize {
+        self.0.parameter_count()
+    }
+
+    fn capture_decode_graphs(&mut self, max_batch_size: usize) -> Result<bool> {
+        self.0.capture_decode_graphs(max_batch_size)
+    }
 }

@@ -2,7 +2,7 @@
 
 use super::batch::BatchPlan;
 use super::cpu::{internal, CpuTensor};
-use super::cpu_kernels::{axpy, dot, for_each_row, rms_norm_in_place, rope_angles, rope_head, rope_inverse_frequencies};
+use super::cpu_kernels::{axpy, dot, exp, for_each_row, rms_norm_in_place, rope_angles, rope_head, rope_inverse_frequencies, sum};
 use super::{AttentionShape, KvCacheShape};
 use crate::error::{Error, Result};
 use rayon::prelude::*;
@@ -209,14 +209,11 @@ fn attend_one(
 }
 
 /// Normalized probabilities, as torch's softmax computes them (max-subtracted exponentials over their sum).
+/// Each pass is a plain loop over the row, so it vectorizes.
 fn softmax_in_place(scores: &mut [f32]) {
     let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let mut sum = 0.0;
-    for s in scores.iter_mut() {
-        *s = (*s - max).exp();
-        sum += *s;
-    }
-    let inv_sum = 1.0 / sum;
+    scores.iter_mut().for_each(|s| *s = exp(*s - max));
+    let inv_sum = 1.0 / sum(scores);
     scores.iter_mut().for_each(|s| *s *= inv_sum);
 }
 

@@ -13,6 +13,7 @@ mod cpu_attention;
 mod cpu_kernels;
 mod cpu_matmul;
 mod cpu_matmul_x86;
+mod cpu_simd;
 
 pub use batch::{BatchPlan, PlannedSeq};
 pub use cpu::{CpuBackend, CpuWeightFormat};
@@ -159,7 +160,7 @@ pub trait Backend: Send + Sized + 'static {
 
 /// Overwrite a CPU activation's values in place, keeping its shape: the host-side tensor-parallel
 /// collectives (`parallel::CpuRankHooks`) write their all-reduced result back through this.
-pub(crate) fn overwrite_cpu_tensor(t: &mut CpuTensor, data: &[f32]) -> Result<()> {
+pub(crate) fn overwrite_cpu_tensor(t: &mut cpu::CpuTensor, data: &[f32]) -> Result<()> {
     let values = t.as_mut_slice();
     if values.len() != data.len() {
         return Err(crate::Error::Internal(format!("a tensor of {} values cannot take {} values", values.len(), data.len())));

@@ -2,18 +2,48 @@
 //! written once over [`Backend`]. One forward serves prefill, decode and mixed steps: it takes a ragged
 //! [`ForwardBatch`] and reads/writes the paged KV cache through each sequence's block table.
 
-use crate::backend::{AttentionShape, Backend, BatchPlan, CpuBackend, KvCacheShape};
+use crate::backend::cpu::InRayonPool;
+use crate::backend::{AttentionShape, Backend, BatchPlan, CpuBackend, CpuWeightFormat, KvCacheShape};
 use crate::error::{load_err, protocol, Error, Result};
 use crate::model::loader::{HostTensor, WeightSource};
-use crate::model::{Device, ForwardBatch, ModelConfig, ModelRunner};
+use crate::model::{Device, ForwardBatch, ModelConfig, ModelRunner, WeightDtype};
 use crate::parallel::TensorParallelHooks;
 
-/// Load a model from Hugging Face-named weights onto `device`.
+/// Load a model from Hugging Face-named weights onto `device`, with the device's default weight dtype.
 pub fn build_runner(config: &ModelConfig, weights: &dyn WeightSource, device: Device) -> Result<Box<dyn ModelRunner>> {
     match device {
-        Device::Cpu => Ok(Box::new(LlamaModel::load(CpuBackend::default(), config, weights)?)),
+        Device::Cpu => cpu_runner(CpuWeightFormat::F32, config, weights),
         Device::Cuda(ordinal) => crate::backend::cuda::build_runner(config, weights, ordinal),
     }
+}
+
+/// [`build_runner`] with the weights kept as `dtype` (None: the device's default, f32 on the CPU and bf16 on
+/// CUDA). A dtype the device does not offer is an invalid request, refused before anything loads.
+pub fn build_runner_with(
+    config: &ModelConfig,
+    weights: &dyn WeightSource,
+    device: Device,
+    dtype: Option<WeightDtype>,
+) -> Result<Box<dyn ModelRunner>> {
+    match (device, dtype) {
+        (Device::Cpu, Some(dtype)) => {
+            let format = match dtype {
+                WeightDtype::F32 => CpuWeightFormat::F32,
+                WeightDtype::Bf16 => CpuWeightFormat::Bf16,
+                WeightDtype::Int8 => CpuWeightFormat::Int8,
+            };
+            cpu_runner(format, config, weights)
+        }
+        (Device::Cuda(_), Some(dtype)) if dtype != WeightDtype::Bf16 => Err(Error::InvalidRequest(format!(
+            "the CUDA backend computes in bf16 only; dtype {:?} is for the CPU (use dtype \"bf16\" or leave it unset)",
+            dtype.name()
+        ))),
+        _ => build_runner(config, weights, device),
+    }
+}
+
+fn cpu_runner(format: CpuWeightFormat, config: &ModelConfig, weights: &dyn WeightSource) -> Result<Box<dyn ModelRunner>> {
+    Ok(Box::new(InRayonPool(LlamaModel::load(CpuBackend::new(format), config, weights)?)))
 }
 
 pub struct LlamaModel<B: Backend> {
@@ -122,7 +152,7 @@ impl<B: Backend> LlamaModel<B> {
             let mut table = reader.read("model.embed_tokens.weight", &[vocab, hidden])?;
             let head = if tied { table.clone() } else { reader.read("lm_head.weight", &[vocab, hidden])? };
             table.shape[0] += 1;
-            table.data.extend(std::iter::repeat(0.0).take(hidden));
+            table.data.extend(std::iter::repeat_n(0.0, hidden));
             (backend.upload_matrix(table)?, Some(backend.upload_matrix(head)?))
         } else {
             let embed_tokens = reader.matrix("model.embed_tokens.weight", vocab, hidden)?;
@@ -164,14 +194,15 @@ impl<B: Backend> LlamaModel<B> {
         };
         let eps = config.rms_norm_eps;
         // Under tensor parallelism each rank's partial sums (embedding shard, row-parallel o/down) are all-reduced.
-        let reduce = |backend: &B, x: &mut B::Tensor| match tp {
-            Some(tp) => tp.hooks.all_reduce(backend, x),
-            None => Ok(()),
-        };
         match tp {
             Some(tp) => backend.embed(embed_tokens, &tp.embed_batch, &mut s.residual)?,
             None => backend.embed(embed_tokens, batch, &mut s.residual)?,
         }
+        let hooks = tp.as_ref().map(|tp| tp.hooks.as_ref());
+        let reduce = |backend: &B, x: &mut B::Tensor| match hooks {
+            Some(h) => h.all_reduce(backend, x),
+            None => Ok(()),
+        };
         reduce(backend, &mut s.residual)?;
         for (index, layer) in layers.iter().enumerate() {
             // The first layer normalizes the embeddings; later ones first add the previous MLP's output.

@@ -14,6 +14,36 @@ pub enum Device {
     Cuda(usize),
 }
 
+/// How a backend keeps weight matrices in memory. Activations and accumulation stay f32 on the CPU.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum WeightDtype {
+    /// Exact f32 (the CPU default).
+    F32,
+    /// bf16, half the bytes (the only CUDA dtype).
+    Bf16,
+    /// int8 with one scale per weight row (CPU only).
+    Int8,
+}
+
+impl WeightDtype {
+    pub fn parse(name: &str) -> Result<Self> {
+        match name {
+            "f32" | "float32" => Ok(Self::F32),
+            "bf16" | "bfloat16" => Ok(Self::Bf16),
+            "int8" => Ok(Self::Int8),
+            other => crate::error::invalid(format!("unknown dtype {other:?}; use \"f32\", \"bf16\" or \"int8\"")),
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::F32 => "f32",
+            Self::Bf16 => "bf16",
+            Self::Int8 => "int8",
+        }
+    }
+}
+
 /// One sequence's part of a ragged batch.
 #[derive(Debug, Clone, PartialEq)]
 pub struct SeqSlice {
@@ -79,8 +109,13 @@ pub struct LoadedModel {
 /// Called with (tensors loaded, tensors in all) while weights load; for progress bars.
 pub type LoadProgress<'a> = &'a (dyn Fn(usize, usize) + Sync);
 
-/// Load a Hugging Face directory or a .gguf file.
-pub fn load_model(path: &std::path::Path, device: Device, progress: Option<LoadProgress>) -> Result<LoadedModel> {
+/// Load a Hugging Face directory or a .gguf file, keeping the weights as `dtype` (None: the device's default).
+pub fn load_model(
+    path: &std::path::Path,
+    device: Device,
+    dtype: Option<WeightDtype>,
+    progress: Option<LoadProgress>,
+) -> Result<LoadedModel> {
     if !path.exists() {
         return crate::error::load_err(format!(
             "model path {} does not exist; pass a Hugging Face model directory or a .gguf file",
@@ -88,9 +123,9 @@ pub fn load_model(path: &std::path::Path, device: Device, progress: Option<LoadP
         ));
     }
     if path.is_dir() {
-        loader::hf_dir::load(path, device, progress)
+        loader::hf_dir::load(path, device, dtype, progress)
     } else if path.extension().is_some_and(|e| e.eq_ignore_ascii_case("gguf")) {
-        loader::gguf_model::load(path, device, progress)
+        loader::gguf_model::load(path, device, dtype, progress)
     } else {
         crate::error::load_err(format!(
             "{} is neither a directory nor a .gguf file; pass a Hugging Face model directory or a .gguf file",

@@ -107,10 +107,13 @@ impl Collective {
     /// Row-major `[rows, cols_r]` pieces from every rank joined column-wise into `[rows, sum cols_r]`.
     pub fn all_gather_columns(&self, rank: usize, piece: Vec<f32>, rows: usize) -> Result<Vec<f32>> {
         let all = self.exchange(rank, Payload::F32(piece))?;
+        if rows == 0 {
+            return Ok(Vec::new());
+        }
         let mut pieces = Vec::with_capacity(all.len());
         for p in all.iter() {
             let Payload::F32(v) = p else { return Err(Error::Internal("all_gather: a rank contributed no piece".into())) };
-            if rows == 0 || v.len() % rows != 0 {
+            if !v.len().is_multiple_of(rows) {
                 return Err(Error::Internal(format!("all_gather: a piece of {} values is not {rows} rows", v.len())));
             }
             pieces.push((v, v.len() / rows));

@@ -8,13 +8,14 @@ pub mod rank;
 pub mod shard;
 
 use std::path::Path;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::Arc;
 
-use crate::backend::{Backend, CpuBackend, CpuTensor};
+use crate::backend::cpu::CpuTensor;
+use crate::backend::{Backend, CpuBackend, CpuWeightFormat};
 use crate::error::{load_err, Error, Result};
 use crate::model::llama::LlamaModel;
-use crate::model::{Device, LoadProgress, ModelConfig, ModelRunner, ProgressSource};
+use crate::model::{Device, LoadProgress, ModelConfig, ModelRunner, ProgressSource, WeightDtype};
 use crate::sampling::Sampled;
 use crate::text::chat_template::ChatTemplate;
 use crate::text::tokenizer::Tokenizer;
@@ -38,16 +39,27 @@ pub trait TensorParallelHooks<B: Backend>: Send {
 pub struct CpuRankHooks {
     rank: usize,
     collective: Arc<Collective>,
-    /// When set, this rank's next collective fails (then the switch clears): rank-failure tests.
-    fault: Arc<AtomicBool>,
+    /// A [`Fault`] this rank's next collective suffers (then the switch clears): rank-failure tests.
+    fault: Arc<AtomicU8>,
+}
+
+/// What an injected fault does to a rank, for tests of rank failure.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub enum Fault {
+    /// The rank's forward returns an error (the step fails alike on every rank; the group stays usable).
+    Error = 1,
+    /// The rank's thread panics mid-forward (the group fails the step and is unusable afterwards).
+    Panic = 2,
 }
 
 impl CpuRankHooks {
     fn check_fault(&self) -> Result<()> {
-        if self.fault.swap(false, Ordering::SeqCst) {
-            return Err(self.collective.poison(format!("tensor-parallel rank {} failed (injected fault)", self.rank)));
+        match self.fault.swap(0, Ordering::SeqCst) {
+            0 => Ok(()),
+            f if f == Fault::Panic as u8 => panic!("tensor-parallel rank {} panicked (injected fault)", self.rank),
+            _ => Err(self.collective.poison(format!("tensor-parallel rank {} failed (injected fault)", self.rank))),
         }
-        Ok(())
     }
 }
 
@@ -85,14 +97,14 @@ pub struct ParallelModel {
     pub runners: Vec<Box<dyn ModelRunner>>,
     pub collective: Arc<Collective>,
     /// Per rank: the fault switch of its hooks.
-    pub faults: Vec<Arc<AtomicBool>>,
+    pub faults: Vec<Arc<AtomicU8>>,
     pub tokenizer: Arc<Tokenizer>,
     pub chat_template: Option<ChatTemplate>,
     pub source: String,
 }
 
 /// Load a Hugging Face directory as `world` CPU ranks, each holding its shard.
-pub fn load_parallel(path: &Path, device: Device, world: usize, progress: Option<LoadProgress>) -> Result<ParallelModel> {
+pub fn load_parallel(path: &Path, device: Device, dtype: Option<WeightDtype>, world: usize, progress: Option<LoadProgress>) -> Result<ParallelModel> {
     if device != Device::Cpu {
         return load_err(
             "tensor parallelism runs on the CPU backend only for now (multi-GPU needs NCCL); use device=\"cpu\" or tensor_parallel_size=1",
@@ -104,6 +116,11 @@ pub fn load_parallel(path: &Path, device: Device, world: usize, progress: Option
             path.display()
         ));
     }
+    let format = match dtype.unwrap_or(WeightDtype::F32) {
+        WeightDtype::F32 => CpuWeightFormat::F32,
+        WeightDtype::Bf16 => CpuWeightFormat::Bf16,
+        WeightDtype::Int8 => CpuWeightFormat::Int8,
+    };
     let loaded_meta = crate::model::loader::hf_dir::load_metadata(path)?;
     let (config, tokenizer, chat_template) = loaded_meta;
     let weights = crate::model::loader::SafetensorsSource::open(path)?;
@@ -116,9 +133,9 @@ pub fn load_parallel(path: &Path, device: Device, world: usize, progress: Option
         let local = layout.local_config(&config);
         let vocab_start = layout.vocab_start();
         let source = ShardedSource { inner: &counted, layout, head_dim: config.head_dim };
-        let fault = Arc::new(AtomicBool::new(false));
+        let fault = Arc::new(AtomicU8::new(0));
         let hooks = CpuRankHooks { rank, collective: Arc::clone(&collective), fault: Arc::clone(&fault) };
-        let model = LlamaModel::load_rank(CpuBackend::default(), &config, &local, &source, vocab_start, Box::new(hooks))?;
+        let model = LlamaModel::load_rank(CpuBackend::new(format), &config, &local, &source, vocab_start, Box::new(hooks))?;
         runners.push(Box::new(model));
         faults.push(fault);
     }

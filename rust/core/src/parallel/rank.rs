@@ -4,12 +4,13 @@
 //! A rank that fails fails the command on every rank (through the poisoned collective), never a hang.
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 
 use super::collective::Collective;
+use super::Fault;
 use crate::error::{Error, Result};
 use crate::ids::ResidentRef;
 use crate::state::PoolCounts;
@@ -18,6 +19,7 @@ use crate::stepper::RuntimeStepper;
 
 /// One stepped operation, executed by every rank.
 #[derive(Debug, Clone)]
+#[allow(clippy::large_enum_variant)] // one command in flight at a time
 pub enum RankCommand {
     /// The request itself travels as the payload: each rank reserves and seats it in its own state.
     Admit(AdmissionIntent),
@@ -52,7 +54,7 @@ impl RankReply {
         match (self, other) {
             (RankReply::Step(a), RankReply::Step(b)) => {
                 let mut b = b.clone();
-                b.execution = a.execution.clone();
+                b.execution = a.execution;
                 *a == b
             }
             (a, b) => a == b,
@@ -77,13 +79,13 @@ struct Links {
 pub struct RankGroup {
     links: Mutex<Links>,
     collective: Arc<Collective>,
-    faults: Vec<Arc<AtomicBool>>,
+    faults: Vec<Arc<AtomicU8>>,
     threads: Mutex<Vec<JoinHandle<()>>>,
 }
 
 impl RankGroup {
     /// Start one worker thread per stepper; stepper `r` is rank `r`.
-    pub fn start(steppers: Vec<RuntimeStepper>, collective: Arc<Collective>, faults: Vec<Arc<AtomicBool>>) -> Result<Self> {
+    pub fn start(steppers: Vec<RuntimeStepper>, collective: Arc<Collective>, faults: Vec<Arc<AtomicU8>>) -> Result<Self> {
         let mut ranks = Vec::new();
         let mut threads = Vec::new();
         for (rank, stepper) in steppers.into_iter().enumerate() {
@@ -161,11 +163,11 @@ impl RankGroup {
         self.lock().last.get_mut(rank).and_then(Option::take)
     }
 
-    /// Make rank `rank` fail in its next collective (tests of rank failure).
-    pub fn inject_fault(&self, rank: usize) -> Result<()> {
+    /// Make rank `rank` suffer `fault` in its next collective (tests of rank failure).
+    pub fn inject_fault(&self, rank: usize, fault: Fault) -> Result<()> {
         match self.faults.get(rank) {
             Some(f) => {
-                f.store(true, Ordering::SeqCst);
+                f.store(fault as u8, Ordering::SeqCst);
                 Ok(())
             }
             None => crate::error::invalid(format!("rank {rank} is outside the group of {}", self.world_size())),

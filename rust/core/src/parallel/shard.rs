@@ -28,22 +28,22 @@ impl ShardLayout {
         if world == 0 || rank >= world {
             return load_err(format!("rank {rank} is outside a tensor-parallel group of {world}"));
         }
-        if heads % world != 0 {
+        if !heads.is_multiple_of(world) {
             return load_err(format!("tensor_parallel_size {world} must divide num_attention_heads ({heads})"));
         }
-        let (kv_heads_per_rank, kv_head_start) = if kv % world == 0 {
+        let (kv_heads_per_rank, kv_head_start) = if kv.is_multiple_of(world) {
             (kv / world, rank * (kv / world))
-        } else if world % kv == 0 {
+        } else if world.is_multiple_of(kv) {
             (1, rank / (world / kv))
         } else {
             return load_err(format!(
                 "tensor_parallel_size {world} must divide num_key_value_heads ({kv}) or be a multiple of it"
             ));
         };
-        if config.intermediate_size % world != 0 {
+        if !config.intermediate_size.is_multiple_of(world) {
             return load_err(format!("tensor_parallel_size {world} must divide intermediate_size ({})", config.intermediate_size));
         }
-        if config.vocab_size % world != 0 {
+        if !config.vocab_size.is_multiple_of(world) {
             return load_err(format!("tensor_parallel_size {world} must divide vocab_size ({}) for the vocab-parallel embedding", config.vocab_size));
         }
         Ok(Self {

@@ -5,11 +5,11 @@ use std::sync::Arc;
 
 use super::gguf::GgufModel;
 use crate::error::Result;
-use crate::model::{llama, Device, LoadProgress, LoadedModel, ProgressSource};
+use crate::model::{llama, Device, LoadProgress, LoadedModel, ProgressSource, WeightDtype};
 use crate::text::chat_template::ChatTemplate;
 use crate::text::tokenizer::Tokenizer;
 
-pub fn load(path: &Path, device: Device, progress: Option<LoadProgress>) -> Result<LoadedModel> {
+pub fn load(path: &Path, device: Device, dtype: Option<WeightDtype>, progress: Option<LoadProgress>) -> Result<LoadedModel> {
     let gguf = GgufModel::open(path)?;
     let config = gguf.config()?;
     let vocab = gguf.vocab()?;
@@ -18,7 +18,7 @@ pub fn load(path: &Path, device: Device, progress: Option<LoadProgress>) -> Resu
     let chat_template = gguf.chat_template().map(|t| ChatTemplate::new(&t, bos, eos)).transpose()?;
     let tokenizer = Arc::new(Tokenizer::from_bpe_vocab(vocab)?);
     let counted = ProgressSource::new(&gguf, &config, progress);
-    let runner = llama::build_runner(&config, &counted, device)?;
+    let runner = llama::build_runner_with(&config, &counted, device, dtype)?;
     counted.finish();
     Ok(LoadedModel { config, runner, tokenizer, chat_template, source: path.display().to_string() })
 }

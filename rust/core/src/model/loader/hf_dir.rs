@@ -6,15 +6,15 @@ use std::sync::Arc;
 use serde_json::Value;
 
 use crate::error::{load_err, Result};
-use crate::model::{llama, Device, LoadProgress, LoadedModel, ProgressSource};
+use crate::model::{llama, Device, LoadProgress, LoadedModel, ProgressSource, WeightDtype};
 use crate::text::chat_template::ChatTemplate;
 use crate::text::tokenizer::Tokenizer;
 
-pub fn load(dir: &Path, device: Device, progress: Option<LoadProgress>) -> Result<LoadedModel> {
+pub fn load(dir: &Path, device: Device, dtype: Option<WeightDtype>, progress: Option<LoadProgress>) -> Result<LoadedModel> {
     let (config, tokenizer, chat_template) = load_metadata(dir)?;
     let weights = super::safetensors::SafetensorsSource::open(dir)?;
     let counted = ProgressSource::new(&weights, &config, progress);
-    let runner = llama::build_runner(&config, &counted, device)?;
+    let runner = llama::build_runner_with(&config, &counted, device, dtype)?;
     counted.finish();
     Ok(LoadedModel { config, runner, tokenizer, chat_template, source: dir.display().to_string() })
 }

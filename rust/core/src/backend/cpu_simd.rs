@@ -1,0 +1,206 @@
+//! x86 SIMD plumbing for the CPU matmul kernels: an instruction-set trait (AVX2/FMA with 8 f32 lanes,
+//! AVX-512 with 16) and a weight-format trait (f32, bf16, int8) whose loads widen stored weights to f32
+//! lanes in registers. Kernels written over both traits are compiled once per pair inside a
+//! `#[target_feature]` function and chosen at run time.
+
+#[cfg(target_arch = "x86_64")]
+pub(super) use imp::*;
+
+#[cfg(not(target_arch = "x86_64"))]
+pub fn avx2_available() -> bool {
+    false
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+pub fn avx512_available() -> bool {
+    false
+}
+
+#[cfg(target_arch = "x86_64")]
+mod imp {
+    use std::arch::x86_64::*;
+
+    pub fn avx2_available() -> bool {
+        is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")
+    }
+
+    pub fn avx512_available() -> bool {
+        avx2_available() && is_x86_feature_detected!("avx512f")
+    }
+
+    /// A SIMD instruction set: vectors of `LANES` f32. Every method is `inline(always)` so it compiles with
+    /// the target features of the kernel it is inlined into.
+    pub trait Isa {
+        type V: Copy;
+        const LANES: usize;
+        unsafe fn zero() -> Self::V;
+        unsafe fn load(p: *const f32) -> Self::V;
+        unsafe fn load_bf16(p: *const u16) -> Self::V;
+        unsafe fn load_i8(p: *const i8) -> Self::V;
+        /// Every lane `*p`.
+        unsafe fn broadcast(p: *const f32) -> Self::V;
+        unsafe fn store(p: *mut f32, v: Self::V);
+        /// `a * b + c`.
+        unsafe fn fma(a: Self::V, b: Self::V, c: Self::V) -> Self::V;
+        unsafe fn add(a: Self::V, b: Self::V) -> Self::V;
+        unsafe fn mul(a: Self::V, b: Self::V) -> Self::V;
+    }
+
+    pub struct Avx2;
+
+    impl Isa for Avx2 {
+        type V = __m256;
+        const LANES: usize = 8;
+
+        #[inline(always)]
+        unsafe fn zero() -> __m256 {
+            _mm256_setzero_ps()
+        }
+
+        #[inline(always)]
+        unsafe fn load(p: *const f32) -> __m256 {
+            _mm256_loadu_ps(p)
+        }
+
+        #[inline(always)]
+        unsafe fn load_bf16(p: *const u16) -> __m256 {
+            _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(_mm_loadu_si128(p.cast()))))
+        }
+
+        #[inline(always)]
+        unsafe fn load_i8(p: *const i8) -> __m256 {
+            _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(p.cast())))
+        }
+
+        #[inline(always)]
+        unsafe fn broadcast(p: *const f32) -> __m256 {
+            _mm256_broadcast_ss(&*p)
+        }
+
+        #[inline(always)]
+        unsafe fn store(p: *mut f32, v: __m256) {
+            _mm256_storeu_ps(p, v)
+        }
+
+        #[inline(always)]
+        unsafe fn fma(a: __m256, b: __m256, c: __m256) -> __m256 {
+            _mm256_fmadd_ps(a, b, c)
+        }
+
+        #[inline(always)]
+        unsafe fn add(a: __m256, b: __m256) -> __m256 {
+            _mm256_add_ps(a, b)
+        }
+
+        #[inline(always)]
+        unsafe fn mul(a: __m256, b: __m256) -> __m256 {
+            _mm256_mul_ps(a, b)
+        }
+    }
+
+    pub struct Avx512;
+
+    impl Isa for Avx512 {
+        type V = __m512;
+        const LANES: usize = 16;
+
+        #[inline(always)]
+        unsafe fn zero() -> __m512 {
+            _mm512_setzero_ps()
+        }
+
+        #[inline(always)]
+        unsafe fn load(p: *const f32) -> __m512 {
+            _mm512_loadu_ps(p)
+        }
+
+        #[inline(always)]
+        unsafe fn load_bf16(p: *const u16) -> __m512 {
+            _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(_mm256_loadu_si256(p.cast()))))
+        }
+
+        #[inline(always)]
+        unsafe fn load_i8(p: *const i8) -> __m512 {
+            _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p.cast())))
+        }
+
+        #[inline(always)]
+        unsafe fn broadcast(p: *const f32) -> __m512 {
+            _mm512_set1_ps(*p)
+        }
+
+        #[inline(always)]
+        unsafe fn store(p: *mut f32, v: __m512) {
+            _mm512_storeu_ps(p, v)
+        }
+
+        #[inline(always)]
+        unsafe fn fma(a: __m512, b: __m512, c: __m512) -> __m512 {
+            _mm512_fmadd_ps(a, b, c)
+        }
+
+        #[inline(always)]
+        unsafe fn add(a: __m512, b: __m512) -> __m512 {
+            _mm512_add_ps(a, b)
+        }
+
+        #[inline(always)]
+        unsafe fn mul(a: __m512, b: __m512) -> __m512 {
+            _mm512_mul_ps(a, b)
+        }
+    }
+
+    /// A stored weight format: how `LANES` consecutive stored weights become f32 lanes, and what happens to
+    /// a finished vector of dot products (int8 scales it).
+    pub trait Format: Copy {
+        type Elem: Copy;
+        unsafe fn load<I: Isa>(p: *const Self::Elem) -> I::V;
+        /// The finished dot products of weight rows `c..c + LANES`.
+        #[inline(always)]
+        unsafe fn finish<I: Isa>(self, _c: usize, v: I::V) -> I::V {
+            v
+        }
+    }
+
+    #[derive(Clone, Copy)]
+    pub struct F32;
+
+    impl Format for F32 {
+        type Elem = f32;
+
+        #[inline(always)]
+        unsafe fn load<I: Isa>(p: *const f32) -> I::V {
+            I::load(p)
+        }
+    }
+
+    #[derive(Clone, Copy)]
+    pub struct Bf16;
+
+    impl Format for Bf16 {
+        type Elem = u16;
+
+        #[inline(always)]
+        unsafe fn load<I: Isa>(p: *const u16) -> I::V {
+            I::load_bf16(p)
+        }
+    }
+
+    /// Per-row scales (padded like the rows): the integer-weight dot products are scaled once at the end.
+    #[derive(Clone, Copy)]
+    pub struct Int8(pub *const f32);
+
+    impl Format for Int8 {
+        type Elem = i8;
+
+        #[inline(always)]
+        unsafe fn load<I: Isa>(p: *const i8) -> I::V {
+            I::load_i8(p)
+        }
+
+        #[inline(always)]
+        unsafe fn finish<I: Isa>(self, c: usize, v: I::V) -> I::V {
+            I::mul(v, I::load(self.0.add(c)))
+        }
+    }
+}

@@ -1,0 +1,131 @@
+"""Tensor parallelism on the CPU (issue #6): TP = 2 and TP = 4 rank threads give TP = 1's greedy output through
+the stepped API, the engine and LLM.generate; every rank keeps the invariants; a failing rank never hangs."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+import stepllm
+from conftest import MODELS, check_invariants, config, expected, greedy, model_dir, row_request
+
+
+def tp_config(name: str, tp: int, **kw):
+    return config(name, parallel=stepllm.ParallelConfig(tensor_parallel_size=tp), **kw)
+
+
+def check_every_rank(coord: stepllm.RuntimeCoordinator) -> None:
+    counts = coord.rank_counts()
+    assert len(counts) == coord.world_size()
+    for c in counts:
+        check_invariants(c)
+        assert c == counts[0]
+
+
+def run_stepped(coord: stepllm.RuntimeCoordinator, rows) -> dict[int, list[int]]:
+    out: dict[int, list[int]] = {}
+    stepped = coord.begin_stepped(row_request(rows[0]), request_id=1, original_index=0)
+    stepped.prefill(stepllm.ImmutablePrefillBatch(target=stepped.founder()))
+    for i, row in enumerate(rows[1:], start=1):
+        adm = stepped.admit(row_request(row), original_index=i, request_id=i + 1)
+        assert adm.status == stepllm.AdmissionStatus.ADMITTED
+        step = stepped.prefill(stepllm.ImmutablePrefillBatch(target=adm.resident))
+        out.update({r.identity.request_id: list(r.output_ids) for _, r in step.finished})
+        check_every_rank(coord)
+    while stepped.residents():
+        step = stepped.decode(stepllm.ImmutableDecodeBatch(residents=stepped.residents()))
+        assert coord.local_ranks_succeeded()
+        for rank in range(coord.world_size()):
+            mine = coord.take_rank_response(rank)
+            if coord.world_size() > 1:
+                assert mine is not None and mine.deltas == step.deltas and mine.finished == step.finished
+        out.update({r.identity.request_id: list(r.output_ids) for _, r in step.finished})
+        check_every_rank(coord)
+    out[1] = list(stepped.finish().output_ids)
+    check_every_rank(coord)
+    return out
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_stepped_tp_matches_tp1_and_transformers(name):
+    rows = expected(name)["rows"]
+    single = run_stepped(stepllm.RuntimeCoordinator(config(name)), rows)
+    assert [single[i + 1] for i in range(len(rows))] == [r["greedy_ids"] for r in rows]
+    for tp in (2, 4):
+        coord = stepllm.RuntimeCoordinator(tp_config(name, tp))
+        assert coord.world_size() == tp and coord.supports_stepped_execution()
+        assert all(coord.owns_global_rank(r) for r in range(tp))
+        assert run_stepped(coord, rows) == single
+
+
+def test_llm_generate_and_engine_with_parallel():
+    rows = expected("qwen2")["rows"]
+    prompts = [r["prompt"] for r in rows if r["kind"] != "chat"]
+    params = greedy(8)
+    want = [r.output_ids for r in stepllm.LLM(model_dir("qwen2"), device="cpu").generate(prompts, params)]
+    for tp in (2, 4):
+        llm = stepllm.LLM(model_dir("qwen2"), device="cpu", parallel=stepllm.ParallelConfig(tensor_parallel_size=tp))
+        assert [r.output_ids for r in llm.generate(prompts, params)] == want
+    requests = lambda: [stepllm.GenerationRequest(p, params, add_special_tokens=False) for p in prompts]
+    outputs = []
+    for cfg in (config("qwen2"), tp_config("qwen2", 4)):
+        with stepllm.Engine(cfg) as engine:
+            streams = [engine.submit(r) for r in requests()]
+            outputs.append([s.wait().output_ids for s in streams])
+    got, want_engine = outputs[1], outputs[0]
+    assert got == want_engine
+
+
+def test_rank_failure_fails_the_step_everywhere_without_hanging():
+    coord = stepllm.RuntimeCoordinator(tp_config("qwen3", 4))
+    stepped = coord.begin_stepped(stepllm.GenerationRequest("Hello", greedy(6)))
+    stepped.prefill(stepllm.ImmutablePrefillBatch(target=stepped.founder()))
+    coord._inject_rank_fault(2)
+    started = time.monotonic()
+    step = stepped.decode(stepllm.ImmutableDecodeBatch(residents=stepped.residents()))
+    assert time.monotonic() - started < 30
+    [(_, result)] = step.finished
+    assert result.finish_reason == stepllm.FinishReason.ERROR and "rank 2" in result.error
+    check_every_rank(coord)
+    stepped.finish()
+    # the group serves the next session normally
+    rows = expected("qwen3")["rows"][:1]
+    assert run_stepped(coord, rows)[1] == rows[0]["greedy_ids"]
+
+
+def test_abort_releases_every_rank():
+    coord = stepllm.RuntimeCoordinator(tp_config("llama", 2))
+    before = coord.rank_counts()
+    stepped = coord.begin_stepped(stepllm.GenerationRequest("Hello", greedy(8)))
+    stepped.prefill(stepllm.ImmutablePrefillBatch(target=stepped.founder()))
+    stepped.decode(stepllm.ImmutableDecodeBatch(residents=stepped.residents()))
+    stepped.abort()
+    after = coord.rank_counts()
+    for b, a in zip(before, after):
+        assert a["live_slots"] == 0 and a["leased_blocks"] == b["leased_blocks"]
+
+
+def test_bad_parallel_configs_are_clear_errors():
+    with pytest.raises(stepllm.StepllmError, match="num_attention_heads"):
+        stepllm.RuntimeCoordinator(tp_config("llama", 3))
+    with pytest.raises(ValueError):
+        stepllm.RuntimeCoordinator(config("llama", parallel=stepllm.ParallelConfig(tensor_parallel_size=2, devices=[0])))
+    single = stepllm.RuntimeCoordinator(config("llama"))
+    assert single.world_size() == 1 and single.local_ranks_succeeded() and single.take_rank_response(0) is None
+
+
+def test_panicking_rank_fails_the_group_without_hanging():
+    coord = stepllm.RuntimeCoordinator(tp_config("llama", 2))
+    stepped = coord.begin_stepped(stepllm.GenerationRequest("Hello", greedy(6)))
+    founder = stepped.founder()
+    stepped.prefill(stepllm.ImmutablePrefillBatch(target=founder))
+    coord._inject_rank_fault(1, panic=True)
+    started = time.monotonic()
+    with pytest.raises(stepllm.DeviceError, match="rank 1 panicked"):
+        stepped.decode(stepllm.ImmutableDecodeBatch(residents=[founder]))
+    assert time.monotonic() - started < 30
+    assert not coord.local_ranks_succeeded()
+    with pytest.raises(stepllm.DeviceError, match="unusable"):
+        stepped.decode(stepllm.ImmutableDecodeBatch(residents=[founder]))
+    stepped.abort()
