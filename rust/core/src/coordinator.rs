@@ -395,7 +395,7 @@ fn run_batch(stepper: &StepperHandle, intents: Vec<AdmissionIntent>) -> Result<V
                 }
                 AdmissionStatus::Rejected => {
                     waiting.pop_front();
-                    responses[head.original_index as usize] = Some(rejected_response(&head, adm.reason.unwrap_or_default()));
+                    responses[head.original_index as usize] = Some(head.unstarted_response(FinishReason::Error, adm.reason));
                     continue;
                 }
                 AdmissionStatus::NoCapacity if stepper.residents()?.is_empty() => {
@@ -408,19 +408,4 @@ fn run_batch(stepper: &StepperHandle, intents: Vec<AdmissionIntent>) -> Result<V
         collect(&step, &mut responses);
     }
     Ok(responses.into_iter().map(|r| r.expect("every request finished")).collect())
-}
-
-fn rejected_response(intent: &AdmissionIntent, reason: String) -> GenerationResponse {
-    GenerationResponse {
-        request_id: intent.request_id,
-        original_index: intent.original_index,
-        prompt_ids: intent.prompt_ids.clone(),
-        output_ids: Vec::new(),
-        output_text: String::new(),
-        finish_reason: FinishReason::Error,
-        stop_reason: None,
-        logprobs: None,
-        cached_prompt_tokens: 0,
-        error: Some(reason),
-    }
 }

@@ -176,7 +176,7 @@ impl Actor {
     fn cancel(&mut self, id: RequestId) {
         if let Some(pos) = self.waiting.iter().position(|(i, _)| i.request_id == id) {
             let (intent, events) = self.waiting.remove(pos).expect("position is valid");
-            let _ = events.send(EngineEvent::Finished(unstarted_response(&intent, FinishReason::Cancelled, None)));
+            let _ = events.send(EngineEvent::Finished(intent.unstarted_response(FinishReason::Cancelled, None)));
             self.count_finish(FinishReason::Cancelled);
         } else if let Some(run) = self.running.get(&id) {
             let _ = self.stepper.cancel(run.resident);
@@ -200,7 +200,7 @@ impl Actor {
                 }
                 AdmissionStatus::Rejected => {
                     let (intent, events) = self.waiting.pop_front().expect("head exists");
-                    let _ = events.send(EngineEvent::Finished(unstarted_response(&intent, FinishReason::Error, adm.reason)));
+                    let _ = events.send(EngineEvent::Finished(intent.unstarted_response(FinishReason::Error, adm.reason)));
                     self.count_finish(FinishReason::Error);
                     return Ok(());
                 }
@@ -263,7 +263,7 @@ impl Actor {
             }
         }
         for (intent, events) in self.waiting.drain(..) {
-            let _ = events.send(EngineEvent::Finished(unstarted_response(&intent, FinishReason::Cancelled, None)));
+            let _ = events.send(EngineEvent::Finished(intent.unstarted_response(FinishReason::Cancelled, None)));
         }
     }
 
@@ -294,21 +294,6 @@ impl Actor {
             s.waiting = waiting;
             s.running = running;
         });
-    }
-}
-
-fn unstarted_response(intent: &AdmissionIntent, reason: FinishReason, error: Option<String>) -> GenerationResponse {
-    GenerationResponse {
-        request_id: intent.request_id,
-        original_index: intent.original_index,
-        prompt_ids: intent.prompt_ids.clone(),
-        output_ids: Vec::new(),
-        output_text: String::new(),
-        finish_reason: reason,
-        stop_reason: None,
-        logprobs: None,
-        cached_prompt_tokens: 0,
-        error,
     }
 }
 

@@ -1,7 +1,7 @@
 //! The typed operations of a tick and the immutable records they commit.
 
 use crate::ids::{RequestId, ResidentRef, SequenceIdentity, StepId};
-use crate::request::{FinishReason, GenerationRequest, TokenLogprob};
+use crate::request::{FinishReason, GenerationRequest, GenerationResponse, TokenLogprob};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum SequenceWork {
@@ -75,6 +75,24 @@ pub struct AdmissionIntent {
     pub original_index: u32,
     pub request: GenerationRequest,
     pub prompt_ids: Vec<u32>,
+}
+
+impl AdmissionIntent {
+    /// The response of a request that ends before it ever runs (rejected, or cancelled while waiting).
+    pub fn unstarted_response(&self, reason: FinishReason, error: Option<String>) -> GenerationResponse {
+        GenerationResponse {
+            request_id: self.request_id,
+            original_index: self.original_index,
+            prompt_ids: self.prompt_ids.clone(),
+            output_ids: Vec::new(),
+            output_text: String::new(),
+            finish_reason: reason,
+            stop_reason: None,
+            logprobs: None,
+            cached_prompt_tokens: 0,
+            error,
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
