@@ -4,10 +4,10 @@
 //!     cargo test --release -p stepllm-core --test golden_speed -- --ignored --nocapture
 //!
 //! Every weight dtype is timed in turn; `STEPLLM_SPEED_DTYPES=bf16,int8` picks some, and
-//! `STEPLLM_SPEED_SHAPES=short` skips the long-context cases.
+//! `STEPLLM_SPEED_SHAPES=short` (or `long`) runs only the short-context (long-context) cases.
 //!
 //! `--release` matters: the test profile keeps debug assertions, whose overflow and pointer checks in the
-//! matmul inner loops (ours and gemm's) cost about a factor of two.
+//! matmul and attention inner loops cost about a factor of two.
 
 use std::time::Instant;
 
@@ -137,7 +137,7 @@ fn time_decode(runner: &mut dyn ModelRunner, batch: usize, prompt: usize) {
 fn smollm2_135m_shaped_decode_speed() {
     let config = smollm2_135m();
     let dtypes = std::env::var("STEPLLM_SPEED_DTYPES").unwrap_or_else(|_| "f32,bf16,int8".into());
-    let short = std::env::var("STEPLLM_SPEED_SHAPES").is_ok_and(|s| s == "short");
+    let which = std::env::var("STEPLLM_SPEED_SHAPES").unwrap_or_default();
     for dtype in dtypes.split(',') {
         let dtype = WeightDtype::parse(dtype.trim()).unwrap();
         let started = Instant::now();
@@ -148,7 +148,11 @@ fn smollm2_135m_shaped_decode_speed() {
             runner.device_description(),
             started.elapsed().as_secs_f64()
         );
-        let shapes: &[(usize, usize)] = if short { &[(1, 64), (8, 64)] } else { &[(1, 64), (8, 64), (1, 1024), (8, 512)] };
+        let shapes: &[(usize, usize)] = match which.as_str() {
+            "short" => &[(1, 64), (8, 64)],
+            "long" => &[(1, 1024), (8, 512)],
+            _ => &[(1, 64), (8, 64), (1, 1024), (8, 512)],
+        };
         for &(batch, prompt) in shapes {
             time_decode(runner.as_mut(), batch, prompt); // warm-up: sizes scratch buffers and touches the cache
             time_decode(runner.as_mut(), batch, prompt);

@@ -2,7 +2,9 @@
 
 use super::batch::BatchPlan;
 use super::cpu::{internal, CpuTensor};
-use super::cpu_kernels::{axpy, dot, exp, for_each_row, rms_norm_in_place, rope_angles, rope_head, rope_inverse_frequencies, sum};
+use super::cpu_kernels::{exp, for_each_row, rms_norm_in_place, rope_angles, rope_head, rope_inverse_frequencies, sum};
+use super::cpu_attention_kernels::{portable, x86, Span};
+use super::cpu_matmul::Kernels;
 use super::{AttentionShape, KvCacheShape};
 use crate::error::{Error, Result};
 use rayon::prelude::*;
@@ -13,8 +15,11 @@ const MAX_HEAD_DIM: usize = 512;
 /// Below this many multiply-adds, attention runs on the calling thread.
 const PARALLEL_WORK: usize = 1 << 14;
 
-/// Per layer, K and V as `[num_blocks][block_size][num_kv_heads][head_dim]`: one slot is one contiguous
-/// `kv_dim` row, so a token's write is a single copy.
+/// Per layer, K and V in blocks of `block_size` slots; within a block each KV head owns one contiguous
+/// `head_dim x block_size` region, which is what one query head reads, front to back:
+/// - K transposed, `[head_dim][block_size]`: a position's key is a column, so the scores of a row of
+///   positions are plain vector FMAs (no horizontal sum per position);
+/// - V as rows, `[block_size][head_dim]`: a position's value is a row, summed with its softmax weight.
 #[derive(Debug)]
 pub struct CpuKvCache {
     shape: KvCacheShape,
@@ -102,13 +107,22 @@ pub fn rope_and_write_kv(
             rope_head(head, &cos[..half], &sin[..half]);
         }
     });
-    // Scattered writes of one kv_dim row per token: cheap, so done serially rather than proving disjointness.
+    // Scattered writes of one token's K and V per head: cheap, so done serially rather than proving
+    // disjointness.
     let (keys, values) = (&mut cache.keys[layer], &mut cache.values[layer]);
+    let block_size = plan.block_size;
     for (t, &slot) in plan.slots.iter().enumerate() {
         let row = qkv.row(t);
-        let at = slot as usize * kv_dim;
-        keys[at..at + kv_dim].copy_from_slice(&row[q_dim..q_dim + kv_dim]);
-        values[at..at + kv_dim].copy_from_slice(&row[q_dim + kv_dim..]);
+        let (block, offset) = (slot as usize / block_size, slot as usize % block_size);
+        for h in 0..shape.num_kv_heads {
+            let region = (block * shape.num_kv_heads + h) * head_dim * block_size;
+            let key = &row[q_dim + h * head_dim..][..head_dim];
+            for (d, &k) in key.iter().enumerate() {
+                keys[region + d * block_size + offset] = k;
+            }
+            let value = &row[q_dim + kv_dim + h * head_dim..][..head_dim];
+            values[region + offset * head_dim..][..head_dim].copy_from_slice(value);
+        }
     }
     Ok(())
 }
@@ -128,19 +142,20 @@ pub fn paged_attention(
     let cache_layer = CacheLayer {
         keys: &cache.keys[layer],
         values: &cache.values[layer],
-        kv_dim: shape.kv_dim(),
+        kv_heads: shape.num_kv_heads,
+        head_dim,
         block_size: plan.block_size,
     };
-    let use_simd = simd::available(head_dim);
+    let kernels = Kernels::detect();
     // One unit = one (token, query head): enough units to keep every core busy even for a single decode
     // token, and each unit owns exactly one head_dim slice of the output.
-    let attend = |scores: &mut Vec<f32>, (unit, o): (usize, &mut [f32])| {
+    let attend = |scratch: &mut Scratch, (unit, o): (usize, &mut [f32])| {
         let (t, h) = (unit / shape.num_heads, unit % shape.num_heads);
         let seq = &plan.seqs[plan.token_seq[t] as usize];
         let query = &qkv.row(t)[h * head_dim..(h + 1) * head_dim];
-        let head = Head { kv_head: h / shape.group_size(), head_dim, scale: shape.softmax_scale(), use_simd };
+        let head = Head { kv_head: h / shape.group_size(), scale: shape.softmax_scale(), kernels };
         let context = plan.positions[t] as usize + 1;
-        attend_one(query, plan.block_table(seq), context, &cache_layer, &head, scores, o);
+        attend_one(query, plan.block_table(seq), context, &cache_layer, &head, scratch, o);
     };
     let work: usize = plan.positions.iter().map(|&p| p as usize + 1).sum::<usize>() * shape.q_dim();
     let units = out.as_mut_slice().chunks_mut(head_dim);
@@ -148,27 +163,43 @@ pub fn paged_attention(
         // A few jobs per thread balance uneven contexts without paying rayon's per-split cost per unit.
         let min_units = (plan.num_tokens() * shape.num_heads / (4 * rayon::current_num_threads())).max(1);
         let units = out.as_mut_slice().par_chunks_mut(head_dim).enumerate().with_min_len(min_units);
-        units.for_each_init(Vec::new, attend);
+        units.for_each_init(Scratch::default, attend);
     } else {
-        let mut scores = Vec::new();
-        units.enumerate().for_each(|unit| attend(&mut scores, unit));
+        let mut scratch = Scratch::default();
+        units.enumerate().for_each(|unit| attend(&mut scratch, unit));
     }
     Ok(())
 }
 
+/// One layer of the cache, in the layout of [`CpuKvCache`].
 struct CacheLayer<'a> {
     keys: &'a [f32],
     values: &'a [f32],
-    kv_dim: usize,
+    kv_heads: usize,
+    head_dim: usize,
     block_size: usize,
+}
+
+impl CacheLayer<'_> {
+    /// Offset of (block, KV head)'s region, and the region's length.
+    fn region(&self, block: u32, kv_head: usize) -> (usize, usize) {
+        let len = self.head_dim * self.block_size;
+        ((block as usize * self.kv_heads + kv_head) * len, len)
+    }
 }
 
 struct Head {
     kv_head: usize,
-    head_dim: usize,
     scale: f32,
-    /// AVX2/FMA kernels (checked once per call) or the portable loops.
-    use_simd: bool,
+    /// SIMD kernels (chosen once per call) or the portable loops.
+    kernels: Kernels,
+}
+
+/// Per-thread buffers of [`attend_one`], reused across heads.
+#[derive(Default)]
+struct Scratch {
+    scores: Vec<f32>,
+    spans: Vec<Span>,
 }
 
 /// Softmax attention of one query head over cache positions `0..context` of its sequence.
@@ -178,33 +209,42 @@ fn attend_one(
     context: usize,
     cache: &CacheLayer,
     head: &Head,
-    scores: &mut Vec<f32>,
+    scratch: &mut Scratch,
     out: &mut [f32],
 ) {
-    let offset = head.kv_head * head.head_dim;
-    let (keys, values) = (&cache.keys[offset..], &cache.values[offset..]);
+    let (head_dim, block_size) = (cache.head_dim, cache.block_size);
+    let Scratch { scores, spans } = scratch;
+    spans.clear();
+    for (b, &block) in block_table.iter().enumerate() {
+        let first = b * block_size;
+        if first >= context {
+            break;
+        }
+        let (at, _) = cache.region(block, head.kv_head);
+        spans.push(Span { at, first, len: block_size.min(context - first) });
+    }
     scores.resize(context, 0.0);
-    let walk = Walk { block_table, context, block_size: cache.block_size, kv_dim: cache.kv_dim };
-    if head.use_simd {
-        // SAFETY: AVX2/FMA are present; `check_compatible` keeps every slot of the block table inside the
-        // layer, so each row read (slot * kv_dim + offset .. + head_dim) is in bounds.
-        unsafe { simd::scores(query, keys.as_ptr(), &walk, head.scale, scores) };
-    } else {
-        walk.for_each_slot(|p, slot| {
-            let at = slot * walk.kv_dim;
-            scores[p] = dot(query, &keys[at..at + head.head_dim]) * head.scale;
-        });
+    match head.kernels {
+        Kernels::Portable => {
+            for span in spans.iter() {
+                let keys = &cache.keys[span.at..][..head_dim * block_size];
+                portable::score_block(query, keys, block_size, head.scale, &mut scores[span.first..][..span.len]);
+            }
+        }
+        // SAFETY: the CPU runs the chosen kernels; every span's region lies inside the layer (the block
+        // table was checked against the cache).
+        kernels => unsafe { x86::scores(kernels == Kernels::Avx512, query, cache.keys, spans, block_size, head.scale, scores) },
     }
     softmax_in_place(scores);
-    if head.use_simd {
-        // SAFETY: as above.
-        unsafe { simd::weighted_sum(scores, values.as_ptr(), &walk, out) };
-    } else {
-        out.fill(0.0);
-        walk.for_each_slot(|p, slot| {
-            let at = slot * walk.kv_dim;
-            axpy(scores[p], &values[at..at + head.head_dim], out);
-        });
+    out.fill(0.0);
+    for span in spans.iter() {
+        let values = &cache.values[span.at..][..head_dim * block_size];
+        let weights = &scores[span.first..][..span.len];
+        match head.kernels {
+            Kernels::Portable => portable::weighted_block(weights, values, head_dim, out),
+            // SAFETY: as above; the kernel reads `weights.len()` rows of `values`.
+            kernels => unsafe { x86::weighted_block(kernels == Kernels::Avx512, weights, values, head_dim, out) },
+        }
     }
 }
 
@@ -215,126 +255,6 @@ fn softmax_in_place(scores: &mut [f32]) {
     scores.iter_mut().for_each(|s| *s = exp(*s - max));
     let inv_sum = 1.0 / sum(scores);
     scores.iter_mut().for_each(|s| *s *= inv_sum);
-}
-
-/// A sequence's cached positions `0..context`, in order, through its block table.
-struct Walk<'a> {
-    block_table: &'a [u32],
-    context: usize,
-    block_size: usize,
-    kv_dim: usize,
-}
-
-impl Walk<'_> {
-    /// Call `f(position, slot)` for each position, a block at a time (no division per position).
-    #[inline(always)]
-    fn for_each_slot(&self, mut f: impl FnMut(usize, usize)) {
-        for (b, &block) in self.block_table.iter().enumerate() {
-            let first = b * self.block_size;
-            if first >= self.context {
-                break;
-            }
-            let base = block as usize * self.block_size;
-            for offset in 0..self.block_size.min(self.context - first) {
-                f(first + offset, base + offset);
-            }
-        }
-    }
-}
-
-#[cfg(target_arch = "x86_64")]
-mod simd {
-    use super::Walk;
-    use std::arch::x86_64::*;
-
-    pub fn available(head_dim: usize) -> bool {
-        head_dim.is_multiple_of(8) && is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")
-    }
-
-    /// `scores[p] = scale * query · key_p`, with `keys` at the head's offset in the layer.
-    ///
-    /// # Safety
-    /// AVX2 and FMA must be present; `head_dim % 8 == 0`; every slot's row must be readable.
-    #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn scores(query: &[f32], keys: *const f32, walk: &Walk, scale: f32, scores: &mut [f32]) {
-        let (q, head_dim) = (query.as_ptr(), query.len());
-        walk.for_each_slot(|p, slot| {
-            let k = keys.add(slot * walk.kv_dim);
-            // Two accumulators halve the FMA dependency chain.
-            let (mut even, mut odd) = (_mm256_setzero_ps(), _mm256_setzero_ps());
-            let mut c = 0;
-            while c + 16 <= head_dim {
-                even = _mm256_fmadd_ps(_mm256_loadu_ps(q.add(c)), _mm256_loadu_ps(k.add(c)), even);
-                odd = _mm256_fmadd_ps(_mm256_loadu_ps(q.add(c + 8)), _mm256_loadu_ps(k.add(c + 8)), odd);
-                c += 16;
-            }
-            if c < head_dim {
-                even = _mm256_fmadd_ps(_mm256_loadu_ps(q.add(c)), _mm256_loadu_ps(k.add(c)), even);
-            }
-            scores[p] = horizontal_sum(_mm256_add_ps(even, odd)) * scale;
-        });
-    }
-
-    /// `out = sum_p weights[p] * value_p`, with `values` at the head's offset in the layer.
-    ///
-    /// # Safety
-    /// As for [`scores`], with `out.len() == head_dim`.
-    #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn weighted_sum(weights: &[f32], values: *const f32, walk: &Walk, out: &mut [f32]) {
-        // Columns in blocks of at most 64 so the accumulators stay in registers across all positions.
-        let mut column = 0;
-        while column < out.len() {
-            let (v, o) = (values.add(column), out.as_mut_ptr().add(column));
-            column += match (out.len() - column) / 8 {
-                8.. => weighted_columns::<8>(weights, v, walk, o),
-                4..=7 => weighted_columns::<4>(weights, v, walk, o),
-                2 | 3 => weighted_columns::<2>(weights, v, walk, o),
-                _ => weighted_columns::<1>(weights, v, walk, o),
-            };
-        }
-    }
-
-    /// `V * 8` output columns; returns how many it wrote.
-    #[inline(always)]
-    unsafe fn weighted_columns<const V: usize>(weights: &[f32], values: *const f32, walk: &Walk, out: *mut f32) -> usize {
-        let mut acc = [_mm256_setzero_ps(); V];
-        walk.for_each_slot(|p, slot| {
-            let v = values.add(slot * walk.kv_dim);
-            let w = _mm256_set1_ps(weights[p]);
-            for (i, a) in acc.iter_mut().enumerate() {
-                *a = _mm256_fmadd_ps(w, _mm256_loadu_ps(v.add(8 * i)), *a);
-            }
-        });
-        for (i, a) in acc.iter().enumerate() {
-            _mm256_storeu_ps(out.add(8 * i), *a);
-        }
-        V * 8
-    }
-
-    #[inline(always)]
-    unsafe fn horizontal_sum(v: __m256) -> f32 {
-        let pairs = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-        let quads = _mm_add_ps(pairs, _mm_movehl_ps(pairs, pairs));
-        _mm_cvtss_f32(_mm_add_ss(quads, _mm_shuffle_ps(quads, quads, 1)))
-    }
-}
-
-/// Other architectures use the portable loops.
-#[cfg(not(target_arch = "x86_64"))]
-mod simd {
-    use super::Walk;
-
-    pub fn available(_: usize) -> bool {
-        false
-    }
-
-    pub unsafe fn scores(_: &[f32], _: *const f32, _: &Walk, _: f32, _: &mut [f32]) {
-        unreachable!("simd::available() is false off x86_64")
-    }
-
-    pub unsafe fn weighted_sum(_: &[f32], _: *const f32, _: &Walk, _: &mut [f32]) {
-        unreachable!("simd::available() is false off x86_64")
-    }
 }
 
 fn check_qkv(qkv: &CpuTensor, shape: &AttentionShape, plan: &BatchPlan) -> Result<()> {
@@ -358,31 +278,97 @@ fn check_qkv(qkv: &CpuTensor, shape: &AttentionShape, plan: &BatchPlan) -> Resul
 mod tests {
     use super::*;
 
-    /// The SIMD kernels and the portable loops agree, for head sizes that exercise every column block.
+    /// A layer of `num_blocks` blocks filled with noise, and the same values as plain per-slot rows
+    /// `[slot][kv_head][head_dim]` for the naive reference.
+    struct Layer {
+        keys: Vec<f32>,
+        values: Vec<f32>,
+        key_rows: Vec<f32>,
+        value_rows: Vec<f32>,
+    }
+
+    fn layer(kv_heads: usize, head_dim: usize, block_size: usize, num_blocks: usize) -> Layer {
+        let slots = num_blocks * block_size;
+        let noise = |seed: usize, i: usize| (((i * 7919 + seed) % 1009) as f32 / 1009.0 - 0.5) * 2.0;
+        let key_rows: Vec<f32> = (0..slots * kv_heads * head_dim).map(|i| noise(1, i)).collect();
+        let value_rows: Vec<f32> = (0..slots * kv_heads * head_dim).map(|i| noise(2, i)).collect();
+        let (mut keys, mut values) = (vec![0.0; key_rows.len()], vec![0.0; value_rows.len()]);
+        for slot in 0..slots {
+            let (block, offset) = (slot / block_size, slot % block_size);
+            for h in 0..kv_heads {
+                let region = (block * kv_heads + h) * head_dim * block_size;
+                for d in 0..head_dim {
+                    let row_at = (slot * kv_heads + h) * head_dim + d;
+                    keys[region + d * block_size + offset] = key_rows[row_at];
+                    values[region + offset * head_dim + d] = value_rows[row_at];
+                }
+            }
+        }
+        Layer { keys, values, key_rows, value_rows }
+    }
+
+    /// Softmax attention in f64 over per-slot rows.
+    #[allow(clippy::too_many_arguments)]
+    fn naive(l: &Layer, query: &[f32], table: &[u32], context: usize, kv_heads: usize, kv_head: usize, block_size: usize, scale: f32) -> Vec<f32> {
+        let head_dim = query.len();
+        let slot = |p: usize| table[p / block_size] as usize * block_size + p % block_size;
+        let row = |p: usize| (slot(p) * kv_heads + kv_head) * head_dim;
+        let scores: Vec<f64> = (0..context)
+            .map(|p| (0..head_dim).map(|d| query[d] as f64 * l.key_rows[row(p) + d] as f64).sum::<f64>() * scale as f64)
+            .collect();
+        let max = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        let weights: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
+        let total: f64 = weights.iter().sum();
+        (0..head_dim)
+            .map(|d| (0..context).map(|p| weights[p] / total * l.value_rows[row(p) + d] as f64).sum::<f64>() as f32)
+            .collect()
+    }
+
+    /// Every kernel set against the naive reference, for head sizes that exercise every column group and
+    /// block sizes below, at and above a vector, with partial last blocks.
     #[test]
-    fn simd_and_portable_attention_agree() {
-        for head_dim in [8, 16, 24, 64, 128, 136] {
-            if !simd::available(head_dim) {
-                return;
+    fn attention_kernels_match_naive() {
+        for kernels in Kernels::supported() {
+            for head_dim in [8, 16, 24, 64, 128, 136, 6] {
+                for block_size in [1, 4, 5, 16, 32] {
+                    let (kv_heads, num_blocks) = (2, 80 / block_size + 2);
+                    let l = layer(kv_heads, head_dim, block_size, num_blocks);
+                    let cache = CacheLayer { keys: &l.keys, values: &l.values, kv_heads, head_dim, block_size };
+                    let table: Vec<u32> = (0..num_blocks as u32).rev().collect();
+                    let query: Vec<f32> = (0..head_dim).map(|i| ((i * 37 % 11) as f32 - 5.0) / 7.0).collect();
+                    for context in [1, 3, 17, 70] {
+                        let head = Head { kv_head: 1, scale: 0.3, kernels };
+                        let mut out = vec![f32::NAN; head_dim];
+                        attend_one(&query, &table, context, &cache, &head, &mut Scratch::default(), &mut out);
+                        let want = naive(&l, &query, &table, context, kv_heads, 1, block_size, 0.3);
+                        for (a, b) in out.iter().zip(&want) {
+                            let what = format!("{kernels:?} head_dim {head_dim} block {block_size} context {context}");
+                            assert!((a - b).abs() <= 1e-5, "{what}: {a} vs {b}");
+                        }
+                    }
+                }
             }
-            let (kv_heads, block_size, num_blocks) = (2, 4, 9);
-            let len = num_blocks * block_size * kv_heads * head_dim;
-            let noise = |seed: usize| (0..len).map(move |i| (((i * 7919 + seed) % 1009) as f32 / 1009.0 - 0.5) * 2.0);
-            let (keys, values): (Vec<f32>, Vec<f32>) = (noise(1).collect(), noise(2).collect());
-            let query: Vec<f32> = noise(3).take(head_dim).collect();
-            let cache = CacheLayer { keys: &keys, values: &values, kv_dim: kv_heads * head_dim, block_size };
-            let table = [5u32, 0, 8, 3, 7, 1];
-            let context = 22;
-            let mut outputs = Vec::new();
-            for use_simd in [false, true] {
-                let head = Head { kv_head: 1, head_dim, scale: 0.3, use_simd };
-                let mut out = vec![f32::NAN; head_dim];
-                attend_one(&query, &table, context, &cache, &head, &mut Vec::new(), &mut out);
-                outputs.push(out);
+        }
+    }
+
+    /// Timing, not a check: `cargo test --release -p stepllm-core --lib attend_speed -- --ignored --nocapture`.
+    #[test]
+    #[ignore = "timing"]
+    fn attend_speed() {
+        let (head_dim, kv_heads, block_size, num_blocks) = (64, 3, 16, 64);
+        let l = layer(kv_heads, head_dim, block_size, num_blocks);
+        let cache = CacheLayer { keys: &l.keys, values: &l.values, kv_heads, head_dim, block_size };
+        let table: Vec<u32> = (0..num_blocks as u32).collect();
+        let query: Vec<f32> = (0..head_dim).map(|i| i as f32 * 0.01).collect();
+        for kernels in Kernels::supported() {
+            let head = Head { kv_head: 1, scale: 0.125, kernels };
+            let (mut out, mut scratch, mut best) = (vec![0.0; head_dim], Scratch::default(), f64::INFINITY);
+            for _ in 0..2000 {
+                let t = std::time::Instant::now();
+                attend_one(&query, &table, 1024, &cache, &head, &mut scratch, &mut out);
+                best = best.min(t.elapsed().as_secs_f64());
             }
-            for (a, b) in outputs[0].iter().zip(&outputs[1]) {
-                assert!((a - b).abs() <= 1e-5, "head_dim {head_dim}: {a} vs {b}");
-            }
+            eprintln!("{kernels:?}: one head over 1024 positions in {:.1} us ({:.2} ns/position)", best * 1e6, best * 1e9 / 1024.0);
         }
     }
 }

@@ -10,6 +10,7 @@ pub mod batch;
 pub mod cpu;
 pub mod cuda;
 mod cpu_attention;
+mod cpu_attention_kernels;
 mod cpu_kernels;
 mod cpu_matmul;
 mod cpu_matmul_x86;
