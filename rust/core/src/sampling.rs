@@ -378,7 +378,7 @@ fn by_rank(a: &Candidate, b: &Candidate) -> std::cmp::Ordering {
 }
 
 /// Chosen token and top-n alternatives, as log_softmax of the raw logits.
-fn token_logprob(raw: &[f32], token_id: u32, n: usize) -> TokenLogprob {
+pub(crate) fn token_logprob(raw: &[f32], token_id: u32, n: usize) -> TokenLogprob {
     let lse = log_sum_exp(raw);
     let top = top_n(raw, n)
         .into_iter()

@@ -7,7 +7,6 @@ use half::bf16;
 use super::backend::CudaBackend;
 use super::device::{Arg, DeviceBuffer, PinnedBuffer};
 use crate::error::Result;
-use crate::request::TokenLogprob;
 use crate::sampling::{seeded_uniform, RowContext, Sampled};
 
 /// Words per row of `RowParams` in kernels/sampling.cu.
@@ -83,7 +82,7 @@ impl Sampler {
                     let mut raw = vec![bf16::ZERO; vocab];
                     gpu.download(&mut raw, logits + (i * vocab * 2) as u64)?;
                     let raw: Vec<f32> = raw.iter().map(|v| v.to_f32()).collect();
-                    Some(token_logprob(&raw, tokens[i], top))
+                    Some(crate::sampling::token_logprob(&raw, tokens[i], top))
                 }
                 None => None,
             };
@@ -147,29 +146,5 @@ impl Sampler {
             ];
             self.host[PARAM_WORDS * i..PARAM_WORDS * (i + 1)].copy_from_slice(&words);
         }
-    }
-}
-
-/// log_softmax of the raw logits at `token_id`, and the `n` best alternatives (ties: lower id), as
-/// sampling.rs reports them.
-fn token_logprob(raw: &[f32], token_id: u32, n: usize) -> TokenLogprob {
-    let max = raw.iter().copied().filter(|x| !x.is_nan()).fold(f32::NEG_INFINITY, f32::max);
-    let lse = if max.is_finite() {
-        let sum: f64 = raw.iter().filter(|x| !x.is_nan()).map(|&l| ((l - max).exp()) as f64).sum();
-        max + sum.ln() as f32
-    } else {
-        max
-    };
-    let mut order: Vec<u32> = (0..raw.len() as u32).filter(|&i| !raw[i as usize].is_nan()).collect();
-    let n = n.min(order.len());
-    if n > 0 {
-        order.select_nth_unstable_by(n - 1, |&a, &b| raw[b as usize].total_cmp(&raw[a as usize]).then(a.cmp(&b)));
-    }
-    order.truncate(n);
-    order.sort_by(|&a, &b| raw[b as usize].total_cmp(&raw[a as usize]).then(a.cmp(&b)));
-    TokenLogprob {
-        token_id,
-        logprob: raw[token_id as usize] - lse,
-        top: order.into_iter().map(|i| (i, raw[i as usize] - lse)).collect(),
     }
 }
