@@ -1,15 +1,34 @@
 """GPU decode benchmark: stepllm's CUDA backend against transformers (bf16, same GPU, same run).
 
     python3 benchmarks/gpu_decode.py --models DIR [--shapes smollm2 qwen3] [--batches 1 8 64 256]
+                                     [--host-ticks] [--mixed]
 
 Prints ms/step at batch 1, output tok/s per batch size (prompt 128, 256 new tokens), cold start (load +
 graph capture) and device memory. Checkpoints are random weights of real shapes (gpu_models.py).
+
+--host-ticks  drives decode ticks through the stepped API (RuntimeCoordinator.begin_stepped, admit + prefill
+              of B requests with --prompt tokens each, CUDA graphs captured) at --host-batches (1 8 64) and
+              reports per decode tick the runtime's own StepExecution timing: elapsed_us, device_wait_us and
+              host = elapsed - device_wait, plus the Python-side wall time per tick of the decode loop.
+--mixed       the mixed workload: --mixed-requests (256) requests whose prompt and output lengths are each
+              uniform in [100, 1024] (random token ids, seed 0, greedy, EOS ignored so each runs to its
+              max_tokens), all submitted at once, continuously batched with max_batch_size = the request count;
+              reports output tok/s (generated tokens / wall time) and total time. --mixed-paths picks the
+              path: "engine" (stepllm.Engine, what LLM.generate and the server use; it captures no CUDA
+              graphs) and/or "dispatch" (RuntimeCoordinator.dispatch_request after capture_decoding_cuda_graph;
+              the same prefill-first FIFO scheduling). No transformers peer for it: `generate` cannot give each
+              row of a batch its own max_new_tokens, so it would measure padded static batches instead.
+
+Pass `--batches` and `--hf-batches` with no values to skip the default sweep and its transformers peer
+(e.g. `--batches --hf-batches --host-ticks`).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import random
+import statistics
 import time
 from pathlib import Path
 
@@ -68,6 +87,139 @@ def hf_run(path: Path, batches: list[int], prompt_len: int, new: int) -> dict:
     return res
 
 
+def host_ticks_run(path: Path, batches: list[int], prompt_len: int, ticks: int, warmup: int = 10,
+                   device: str = "cuda") -> dict:
+    """Per decode tick at each batch size: the runtime's StepExecution timing and the Python loop's wall time.
+
+    One stepped session per batch size: the founder (begin_stepped + its first prefill tick), then b - 1
+    admissions, each prefilled at once; then `warmup` decode ticks and `ticks` timed ones over all b residents.
+    Every request has max_tokens past the last tick and ignores EOS, so the batch stays b for every tick.
+    """
+    new = warmup + ticks + 2
+    block = 16
+    per_request = -(-(prompt_len + new) // block) * block + block
+    cfg = stepllm.Config(model=str(path), device=device, max_batch_size=max(batches), block_size=block,
+                         kv_cache_tokens=max(batches) * per_request)
+    coord = stepllm.RuntimeCoordinator(cfg)
+    graphs = coord.capture_decoding_cuda_graph()
+    vocab = coord.info()["vocab_size"]
+    rng = random.Random(1)
+    sampling = stepllm.SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
+
+    def request() -> stepllm.GenerationRequest:
+        return stepllm.GenerationRequest([rng.randrange(2, vocab) for _ in range(prompt_len)], sampling)
+
+    res: dict = {"graphs": graphs}
+    for b in batches:
+        stepped = coord.begin_stepped(request(), request_id=1, original_index=0)
+        try:
+            stepped.prefill(stepllm.ImmutablePrefillBatch(target=stepped.founder()))
+            for i in range(1, b):
+                adm = stepped.admit(request(), original_index=i, request_id=i + 1)
+                if adm.status != stepllm.AdmissionStatus.ADMITTED:
+                    raise RuntimeError(f"host ticks: request {i} of {b} not admitted: {adm.status} {adm.reason}")
+                stepped.prefill(stepllm.ImmutablePrefillBatch(target=adm.ref))
+            batch = stepllm.ImmutableDecodeBatch(residents=stepped.residents())
+            if len(batch.residents) != b:
+                raise RuntimeError(f"host ticks: {len(batch.residents)} residents, expected {b}")
+            for _ in range(warmup):
+                stepped.decode(batch)
+            steps = []
+            t = time.perf_counter()
+            for _ in range(ticks):
+                steps.append(stepped.decode(batch))
+            wall = time.perf_counter() - t
+        finally:
+            stepped.abort()
+        bad = [s for s in steps if not s.ok or s.execution.rows != b or s.finished]
+        if bad:
+            raise RuntimeError(f"host ticks: a timed tick at batch {b} failed or lost a row: {bad[0]!r}")
+        ex = [s.execution for s in steps]
+        res[b] = {
+            "elapsed_us": statistics.fmean(e.elapsed_us for e in ex),
+            "device_wait_us": statistics.fmean(e.device_wait_us for e in ex),
+            "host_us": statistics.fmean(e.elapsed_us - e.device_wait_us for e in ex),
+            "host_us_median": statistics.median(e.elapsed_us - e.device_wait_us for e in ex),
+            "python_us": wall / ticks * 1e6,
+            "graph_ticks": sum(e.cuda_graph for e in ex),
+            "ticks": ticks,
+        }
+    return res
+
+
+def host_ticks_line(shape: str, b: int, r: dict) -> str:
+    return (f"host ticks {shape} batch {b}: elapsed {r['elapsed_us']:.1f} us/tick, device wait {r['device_wait_us']:.1f} us, "
+            f"host {r['host_us']:.1f} us (elapsed - device wait; median {r['host_us_median']:.1f}), "
+            f"python loop {r['python_us']:.1f} us/tick, graph replays {r['graph_ticks']}/{r['ticks']}")
+
+
+def mixed_workload(vocab: int, n: int = 256, lo: int = 100, hi: int = 1024, seed: int = 0) -> list[tuple[list[int], int]]:
+    """n (prompt ids, max_tokens) pairs; prompt length and max_tokens each uniform in [lo, hi]."""
+    rng = random.Random(seed)
+    work = []
+    for _ in range(n):
+        prompt_len, out_len = rng.randint(lo, hi), rng.randint(lo, hi)
+        work.append(([rng.randrange(2, vocab) for _ in range(prompt_len)], out_len))
+    return work
+
+
+def mixed_kv_tokens(work: list[tuple[list[int], int]], block: int) -> int:
+    """KV tokens for every request's whole generate budget at once (admission reserves prompt + max_tokens up
+    front and queues, never preempts, when short), plus a block of slack per request: all are admitted at once."""
+    return sum(-(-(len(p) + o) // block) * block + block for p, o in work)
+
+
+def mixed_run(path: Path, n: int, paths: list[str], lo: int = 100, hi: int = 1024, seed: int = 0,
+              device: str = "cuda") -> dict:
+    vocab = json.loads((path / "config.json").read_text())["vocab_size"]
+    work = mixed_workload(vocab, n, lo, hi, seed)
+    block = 16
+    cfg = stepllm.Config(model=str(path), device=device, max_batch_size=n, block_size=block,
+                         kv_cache_tokens=mixed_kv_tokens(work, block))
+
+    def request(ids: list[int], out: int) -> stepllm.GenerationRequest:
+        return stepllm.GenerationRequest(ids, stepllm.SamplingParams(max_tokens=out, temperature=0.0, ignore_eos=True))
+
+    warm = request(list(range(2, 18)), 4)  # not a prefix of any request: no cache hit later
+    res: dict = {"requests": n, "prompt_tokens": sum(len(p) for p, _ in work), "max_tokens": sum(o for _, o in work)}
+    for kind in paths:
+        graphs = False
+        if kind == "engine":
+            engine = stepllm.Engine(cfg)
+            try:
+                engine.submit(warm).wait()
+                t = time.perf_counter()
+                streams = [engine.submit(request(p, o)) for p, o in work]
+                out = [s.wait() for s in streams]
+                dt = time.perf_counter() - t
+            finally:
+                engine.shutdown()
+            del engine
+        elif kind == "dispatch":
+            coord = stepllm.RuntimeCoordinator(cfg)
+            graphs = coord.capture_decoding_cuda_graph()
+            coord.dispatch_request([warm])
+            t = time.perf_counter()
+            out = coord.dispatch_request([request(p, o) for p, o in work])
+            dt = time.perf_counter() - t
+            del coord
+        else:
+            raise ValueError(f"unknown mixed path {kind!r}; use engine or dispatch")
+        short = [(i, r.finish_reason, r.error) for i, (r, (_, o)) in enumerate(zip(out, work)) if len(r.output_ids) != o]
+        if short:
+            raise RuntimeError(f"mixed ({kind}): {len(short)} requests did not run to max_tokens, e.g. {short[0]}")
+        generated = sum(len(r.output_ids) for r in out)
+        res[kind] = {"total_s": dt, "generated": generated, "tok_s": generated / dt, "graphs": graphs}
+    return res
+
+
+def mixed_line(shape: str, kind: str, res: dict) -> str:
+    r = res[kind]
+    return (f"mixed {shape} ({kind}{', CUDA graphs' if r['graphs'] else ', no CUDA graphs'}): {res['requests']} requests, "
+            f"{res['prompt_tokens']:,} prompt tokens, {r['generated']:,} generated tokens in {r['total_s']:.2f} s = "
+            f"{r['tok_s']:,.0f} output tok/s")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", default="/tmp/gpu_models")
@@ -77,18 +229,37 @@ def main() -> None:
     ap.add_argument("--gemv-sweep", nargs="*", type=int, default=[])
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--new", type=int, default=256)
+    ap.add_argument("--host-ticks", action="store_true", help="per-tick host vs device time through the stepped API")
+    ap.add_argument("--host-batches", nargs="*", type=int, default=[1, 8, 64])
+    ap.add_argument("--ticks", type=int, default=200, help="timed decode ticks per batch size (--host-ticks)")
+    ap.add_argument("--mixed", action="store_true", help="256 requests, prompt and output lengths uniform in [100, 1024]")
+    ap.add_argument("--mixed-requests", type=int, default=256)
+    ap.add_argument("--mixed-paths", nargs="+", choices=["engine", "dispatch"], default=["engine", "dispatch"])
     args = ap.parse_args()
     rows = []
+    tick_rows = []
+    mixed_rows = []
     for shape in args.shapes:
         path = gpu_models.make(shape, Path(args.models))
-        ours = stepllm_run(path, args.batches, args.prompt, args.new)
-        peer = hf_run(path, args.hf_batches, args.prompt, args.new)
-        print(f"{shape}: load {ours['load_s']:.2f} s, graph capture {ours['capture_s']:.2f} s (graphs={ours['graphs']}), "
-              f"device memory {ours['mem_gib']:.1f} GiB", flush=True)
-        for b in args.batches:
-            hf = peer.get(b)
-            rows.append((shape, b, ours[b]["ms_step"], ours[b]["tok_s"], hf["ms_step"] if hf else None, hf["tok_s"] if hf else None))
-            print(rows[-1], flush=True)
+        if args.batches:
+            ours = stepllm_run(path, args.batches, args.prompt, args.new)
+            peer = hf_run(path, args.hf_batches, args.prompt, args.new) if args.hf_batches else {}
+            print(f"{shape}: load {ours['load_s']:.2f} s, graph capture {ours['capture_s']:.2f} s (graphs={ours['graphs']}), "
+                  f"device memory {ours['mem_gib']:.1f} GiB", flush=True)
+            for b in args.batches:
+                hf = peer.get(b)
+                rows.append((shape, b, ours[b]["ms_step"], ours[b]["tok_s"], hf["ms_step"] if hf else None, hf["tok_s"] if hf else None))
+                print(rows[-1], flush=True)
+        if args.host_ticks:
+            ticks = host_ticks_run(path, args.host_batches, args.prompt, args.ticks)
+            for b in args.host_batches:
+                tick_rows.append((shape, b, ticks[b]))
+                print(host_ticks_line(shape, b, ticks[b]), flush=True)
+        if args.mixed:
+            mixed = mixed_run(path, args.mixed_requests, args.mixed_paths)
+            for kind in args.mixed_paths:
+                mixed_rows.append((shape, kind, mixed))
+                print(mixed_line(shape, kind, mixed), flush=True)
     # GEMV-vs-cuBLAS crossover at small batches (STEPLLM_GEMV_MAX_ROWS: 0 = cuBLAS only).
     import os
 
@@ -96,11 +267,31 @@ def main() -> None:
         os.environ["STEPLLM_GEMV_MAX_ROWS"] = str(rows_limit)
         r = stepllm_run(gpu_models.make(args.shapes[0], Path(args.models)), [1, 2, 4, 8], args.prompt, 64)
         print(f"gemv<= {rows_limit}: " + ", ".join(f"b{b} {r[b]['ms_step']:.3f} ms" for b in [1, 2, 4, 8]), flush=True)
-    print("\n| shape | batch | stepllm ms/step | stepllm tok/s | transformers ms/step | transformers tok/s |")
-    print("|---|---|---|---|---|---|")
-    for s, b, ms, ts, hms, hts in rows:
-        hf = f"{hms:.2f} | {hts:,.0f}" if hms else "- | -"
-        print(f"| {s} | {b} | {ms:.3f} | {ts:,.0f} | {hf} |")
+    print_tables(rows, tick_rows, mixed_rows)
+
+
+def print_tables(rows: list, tick_rows: list, mixed_rows: list) -> None:
+    if rows:
+        print("\n| shape | batch | stepllm ms/step | stepllm tok/s | transformers ms/step | transformers tok/s |")
+        print("|---|---|---|---|---|---|")
+        for s, b, ms, ts, hms, hts in rows:
+            hf = f"{hms:.2f} | {hts:,.0f}" if hms else "- | -"
+            print(f"| {s} | {b} | {ms:.3f} | {ts:,.0f} | {hf} |")
+    if tick_rows:
+        print("\nPer decode tick (stepped API, CUDA graphs captured; host = elapsed_us - device_wait_us):\n")
+        print("| shape | batch | elapsed µs | device wait µs | host µs | Python loop µs | graph replays |")
+        print("|---|---|---|---|---|---|---|")
+        for s, b, r in tick_rows:
+            print(f"| {s} | {b} | {r['elapsed_us']:.1f} | {r['device_wait_us']:.1f} | {r['host_us']:.1f} | "
+                  f"{r['python_us']:.1f} | {r['graph_ticks']}/{r['ticks']} |")
+    if mixed_rows:
+        print("\nMixed workload (prompt and output lengths uniform in [100, 1024], greedy, EOS ignored, all submitted at once):\n")
+        print("| shape | path | requests | generated tokens | total s | output tok/s |")
+        print("|---|---|---|---|---|---|")
+        for s, kind, m in mixed_rows:
+            r = m[kind]
+            path = f"{kind} ({'graphs' if r['graphs'] else 'no graphs'})"
+            print(f"| {s} | {path} | {m['requests']} | {r['generated']:,} | {r['total_s']:.2f} | {r['tok_s']:,.0f} |")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-// Elementwise kernels: the MLP activation and a bias add for the cuBLAS path.
+// Elementwise kernels: the MLP activation, a bias add and the residual add for the cuBLAS path.
 #include "common.cuh"
 
 // out[r, i] = silu(gate) * up on [gate | up] rows of width 2 * half; half % 8 == 0. grid-stride over 8-vectors.
@@ -29,4 +29,10 @@ extern "C" __global__ void select_rows(const bf16* __restrict__ x, const u32* __
     const uint4* src = reinterpret_cast<const uint4*>(x + (size_t)rows[blockIdx.x] * cols);
     uint4* dst = reinterpret_cast<uint4*>(out + (size_t)blockIdx.x * cols);
     for (int c = threadIdx.x; c < cols / 8; c += blockDim.x) dst[c] = __ldcg(src + c);
+}
+
+// x += delta over n elements (rounded to bf16, as the bf16 residual add in transformers). grid-stride.
+extern "C" __global__ void add_into(bf16* __restrict__ x, const bf16* __restrict__ delta, int n) {
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x)
+        x[i] = __float2bfloat16(__bfloat162float(x[i]) + __bfloat162float(delta[i]));
 }

@@ -2,32 +2,98 @@
 // path serves decode (one token per sequence) and prefill over a cached prefix (each prompt token attends
 // to positions 0..its own). Long contexts are split over blocks (split-K); the last block of a token to
 // finish merges the partial softmaxes, so no second kernel (and no extra graph node) is needed.
+//
+// Latency is what matters at small batch: every dependent global load is a round trip (~0.5-1 us), so
+// the kernel is laid out to need as few as possible. Each lane issues the K and V loads of U positions
+// before it uses any of them (2*U 16-byte loads in flight per lane, NG * U positions per block per step),
+// the block-table entries of the next step are fetched while the current one computes, and the split-K
+// merge reads all partial states of a (token, head) at once. A decode token with a short context costs:
+// metadata (positions/token_seq/q, then seq_info, then the block table), one K/V round trip, and, when
+// split, the partial store + fence + ticket + one read of the partials.
 #include "common.cuh"
 
 #define ATTN_THREADS 128
 #define ATTN_WARPS (ATTN_THREADS / 32)
-#define MIN_CHUNK 64
+// Smallest number of positions one split handles (the host's cap on gridDim.z, ceil(max context / 16),
+// should use the same number; any gridDim.z works).
+#define MIN_CHUNK 16
+// Most splits the merge handles; the host never launches more (MAX_ATTENTION_SPLITS), and the kernel
+// uses at most this many even if gridDim.z is larger.
+#define MAX_SPLITS 16
 
-struct Partial {
-    float m, l;
+// 2^x, flushing denormals; 2^-inf = 0. Scores are kept in the log2 domain (log2(e) is folded into q).
+__device__ __forceinline__ float fast_exp2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+// Unsigned division by a runtime constant (block_size) in three instructions: valid for n < 2^31.
+struct FastDiv {
+    u32 magic, shift;
+    __device__ __forceinline__ explicit FastDiv(u32 d) {
+        shift = d <= 1 ? 0u : 32u - __clz(d - 1);  // smallest s with 2^s >= d
+        // A power of two (the usual block size) needs no 64-bit division: magic = 1, n >> shift.
+        magic = (d & (d - 1)) == 0 ? 1u : (u32)(((1ull << 32) * ((1ull << shift) - d)) / d + 1);
+    }
+    __device__ __forceinline__ u32 div(u32 n) const { return (__umulhi(n, magic) + n) >> shift; }
 };
 
-// Merge softmax state (m2, l2, acc2) into (m, l, acc).
+// ceil(a / b) for a >= 0, b > 0 without the integer divide sequence: a float estimate (off by at most one
+// while a < 2^21), then corrected.
+__device__ __forceinline__ int ceil_div(int a, int b) {
+    if (a >= (1 << 21)) return (a + b - 1) / b;
+    int q = (int)__fdividef((float)a, (float)b);
+    int r = a - q * b;
+    if (r < 0) r += b, q--;
+    if (r >= b) r -= b, q++;
+    return q + (r > 0);
+}
+
+__device__ __forceinline__ void bf16x8_to_float(const uint4& raw, float out[8]) {
+    const u32 w[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        out[2 * i] = __uint_as_float(w[i] << 16);
+        out[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+    }
+}
+
+// Merge softmax state (m2, l2, acc2) into (m, l, acc); m = -inf means empty.
 template <int N>
 __device__ __forceinline__ void merge_state(float& m, float& l, float* acc, float m2, float l2, const float* acc2) {
     const float mn = fmaxf(m, m2);
-    const float c1 = m == -INFINITY ? 0.0f : __expf(m - mn);
-    const float c2 = m2 == -INFINITY ? 0.0f : __expf(m2 - mn);
+    const float c1 = m == -INFINITY ? 0.0f : fast_exp2(m - mn);
+    const float c2 = m2 == -INFINITY ? 0.0f : fast_exp2(m2 - mn);
     l = l * c1 + l2 * c2;
 #pragma unroll
     for (int i = 0; i < N; i++) acc[i] = acc[i] * c1 + acc2[i] * c2;
     m = mn;
 }
 
+__device__ __forceinline__ void store4_bf16(bf16* p, float a, float b, float c, float d) {
+    uint2 raw;
+    __nv_bfloat162 lo = __floats2bfloat162_rn(a, b), hi = __floats2bfloat162_rn(c, d);
+    raw.x = *reinterpret_cast<u32*>(&lo);
+    raw.y = *reinterpret_cast<u32*>(&hi);
+    *reinterpret_cast<uint2*>(p) = raw;
+}
+
+// U: sub-steps (positions per lane-group) whose K/V loads are in flight together, as many as registers allow
+// without spilling. MIN_BLOCKS: resident blocks per SM the register allocation must allow (launch bounds);
+// either way an SM keeps 64-128 KB of K/V loads in flight, enough to stream the cache at full bandwidth.
+template <int D, int G>
+struct AttnConfig {
+    static constexpr int U = G <= 4 ? 8 : 4;
+    static constexpr int MIN_BLOCKS = G <= 2 ? 4 : 2;  // <= 128 / 255 registers
+    static constexpr bool Q_SHARED = G >= 4;           // q lives in shared memory (saves G * 8 registers)
+};
+
 // grid: (tokens, num_kv_heads, max_splits); block: ATTN_THREADS. D = head_dim, G = query heads per kv head.
 // seq_info holds 5 u32 per sequence: start, len, past_len, table_start, table_len.
-// partial: tokens * num_heads * max_splits * (D + 2) floats; counters: tokens * num_kv_heads u32, all zero
-// between launches (the merging block resets its counter).
+// partial: tokens * num_heads * max_splits * (D + 2) floats, used as two arrays indexed by
+// row = (token * num_heads + head) * max_splits + split: acc[row][D], then (m, l)[row].
+// counters: tokens * num_kv_heads u32, all zero between launches (the merging block resets its counter).
 template <int D, int G>
 __device__ void paged_attention(const bf16* __restrict__ qkv, int width, const u32* __restrict__ positions,
                                 const u32* __restrict__ token_seq, const u32* __restrict__ seq_info,
@@ -35,66 +101,179 @@ __device__ void paged_attention(const bf16* __restrict__ qkv, int width, const u
                                 const bf16* __restrict__ v_cache, int block_size, int num_kv_heads, float scale,
                                 bf16* __restrict__ out, float* __restrict__ partial, u32* __restrict__ counters) {
     constexpr int LANES = D / 8;            // lanes that share one position (16 bytes each)
-    constexpr int GROUPS = 32 / LANES;      // positions per warp per step
-    constexpr int NG = GROUPS * ATTN_WARPS; // positions per block per step
-    __shared__ float sm[ATTN_WARPS][G][D + 2];
+    constexpr int GROUPS = 32 / LANES;      // positions per warp per sub-step
+    constexpr int NG = GROUPS * ATTN_WARPS; // positions per block per sub-step
+    constexpr int U = AttnConfig<D, G>::U;  // sub-steps whose loads are in flight together
+    constexpr bool Q_SHARED = AttnConfig<D, G>::Q_SHARED;
+    constexpr int STEP = NG * U;            // positions per block per step
+    constexpr int V4 = D / 4;               // float4 columns per head
+    static_assert(D % 8 == 0 && 32 % LANES == 0, "head_dim must be 64 or 128 (or another 8 * 2^k <= 256)");
+
+    __shared__ __align__(16) float s_acc[ATTN_WARPS][G][D];
+    __shared__ float2 s_ml[ATTN_WARPS][G];
+    __shared__ __align__(16) float s_q[Q_SHARED ? G : 1][D];
+    __shared__ float2 s_split_ml[G][MAX_SPLITS];
     __shared__ bool is_last;
 
     const int t = blockIdx.x, g = blockIdx.y, split = blockIdx.z, max_splits = gridDim.z;
     const int num_heads = num_kv_heads * G, kv_dim = num_kv_heads * D;
-    const int ctx = positions[t] + 1;
-    int chunk = (ctx + max_splits - 1) / max_splits;
-    chunk = max(MIN_CHUNK, (chunk + MIN_CHUNK - 1) / MIN_CHUNK * MIN_CHUNK);
-    const int nsplits = (ctx + chunk - 1) / chunk;
-    if (split >= nsplits) return;
-    const int begin = split * chunk, end = min(ctx, begin + chunk);
-    const u32* table = block_tables + seq_info[token_seq[t] * 5 + 3];
-
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int li = lane % LANES, gi = lane / LANES;
-    float q[G][8], acc[G][8], m[G], l[G];
+    const float qscale = scale * 1.4426950408889634f;  // scores in log2 units
+
+    // First round trip: everything that does not depend on another load.
+    const int ctx = (int)positions[t] + 1;
+    const u32 seq = token_seq[t];
+    const bf16* qrow = qkv + (size_t)t * width + (size_t)g * G * D;
+    float q[Q_SHARED ? 1 : G][8];
+    uint4 qraw[Q_SHARED ? (G * D / 8 + ATTN_THREADS - 1) / ATTN_THREADS : G];
+    if constexpr (Q_SHARED) {
+#pragma unroll
+        for (int j = 0; j < (int)(sizeof(qraw) / sizeof(uint4)); j++) {
+            const int e = threadIdx.x + j * ATTN_THREADS;
+            if (e < G * D / 8) qraw[j] = __ldcg(reinterpret_cast<const uint4*>(qrow) + e);
+        }
+    } else {
+#pragma unroll
+        for (int h = 0; h < G; h++) qraw[h] = __ldcg(reinterpret_cast<const uint4*>(qrow + h * D + li * 8));
+    }
+    // Second: the sequence's block table.
+    const u32* table = block_tables + seq_info[seq * 5 + 3];
+
+    // chunk = ceil(ctx / splits) rounded up to a multiple of MIN_CHUNK; nsplits <= min(gridDim.z, MAX_SPLITS).
+    const int chunk = MIN_CHUNK * ceil_div(ctx, MIN_CHUNK * min(max_splits, MAX_SPLITS));
+    if (split * chunk >= ctx) return;  // block-uniform: this split is past the context
+    const int nsplits = ceil_div(ctx, chunk);
+    const int begin = split * chunk, end = min(ctx, begin + chunk);
+
+    if constexpr (Q_SHARED) {
+#pragma unroll
+        for (int j = 0; j < (int)(sizeof(qraw) / sizeof(uint4)); j++) {
+            const int e = threadIdx.x + j * ATTN_THREADS;
+            if (e < G * D / 8) {
+                float f[8];
+                bf16x8_to_float(qraw[j], f);
+#pragma unroll
+                for (int i = 0; i < 8; i++) (&s_q[0][0])[e * 8 + i] = f[i] * qscale;
+            }
+        }
+    } else {
+#pragma unroll
+        for (int h = 0; h < G; h++) {
+            bf16x8_to_float(qraw[h], q[h]);
+#pragma unroll
+            for (int i = 0; i < 8; i++) q[h][i] *= qscale;
+        }
+    }
+
+    float acc[G][8], m[G], l[G];
 #pragma unroll
     for (int h = 0; h < G; h++) {
-        load8_cg(qkv + (size_t)t * width + (size_t)(g * G + h) * D + li * 8, q[h]);
 #pragma unroll
-        for (int i = 0; i < 8; i++) {
-            q[h][i] *= scale;
-            acc[h][i] = 0.0f;
-        }
+        for (int i = 0; i < 8; i++) acc[h][i] = 0.0f;
         m[h] = -INFINITY;
         l[h] = 0.0f;
     }
-    // Warp-uniform trip count: lanes past `end` still join the shuffles.
-    for (int base = begin + warp * GROUPS; base < end; base += NG) {
-        const int p = base + gi;
-        const bool valid = p < end;
-        float k[8], v[8];
-        if (valid) {
-            const size_t slot = (size_t)table[p / block_size] * block_size + p % block_size;
-            const size_t at = slot * kv_dim + (size_t)g * D + li * 8;
-            load8_cg(k_cache + at, k);
-            load8_cg(v_cache + at, v);
+
+    const FastDiv bdiv((u32)block_size);
+    const int off0 = warp * GROUPS + gi;  // this lane-group's position within a sub-step
+    const size_t head_off = (size_t)g * D + li * 8;
+    // Block-table entries of the positions of one step (prefetched one step ahead).
+    u32 blk[U];
+#pragma unroll
+    for (int u = 0; u < U; u++) {
+        const int p = begin + u * NG + off0;
+        blk[u] = p < end ? __ldg(table + bdiv.div((u32)p)) : 0u;
+    }
+    if constexpr (Q_SHARED) __syncthreads();
+
+    // Block-uniform trip count: lanes past `end` still join the shuffles.
+    for (int base = begin; base < end; base += STEP) {
+        uint4 kr[U], vr[U];
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            const int p = base + u * NG + off0;
+            if (p < end) {
+                const u32 bi = bdiv.div((u32)p);
+                const size_t slot = (size_t)blk[u] * block_size + (p - bi * block_size);
+                const size_t at = slot * kv_dim + head_off;
+                kr[u] = __ldcg(reinterpret_cast<const uint4*>(k_cache + at));
+                vr[u] = __ldcg(reinterpret_cast<const uint4*>(v_cache + at));
+            } else {
+                kr[u] = make_uint4(0, 0, 0, 0);
+                vr[u] = make_uint4(0, 0, 0, 0);
+            }
         }
+        // Next step's table entries, in flight while this step computes.
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            const int p = base + STEP + u * NG + off0;
+            blk[u] = p < end ? __ldg(table + bdiv.div((u32)p)) : 0u;
+        }
+
+        float s[G][U];
 #pragma unroll
         for (int h = 0; h < G; h++) {
-            float s = 0.0f;
-            if (valid) {
+            float qh[8];
+            if constexpr (Q_SHARED) {
+                const float4 a = *reinterpret_cast<const float4*>(&s_q[h][li * 8]);
+                const float4 b = *reinterpret_cast<const float4*>(&s_q[h][li * 8 + 4]);
+                qh[0] = a.x, qh[1] = a.y, qh[2] = a.z, qh[3] = a.w, qh[4] = b.x, qh[5] = b.y, qh[6] = b.z, qh[7] = b.w;
+            } else {
 #pragma unroll
-                for (int i = 0; i < 8; i++) s += q[h][i] * k[i];
+                for (int i = 0; i < 8; i++) qh[i] = q[Q_SHARED ? 0 : h][i];
             }
 #pragma unroll
-            for (int o = LANES / 2; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-            if (valid) {
-                const float mn = fmaxf(m[h], s);
-                const float corr = __expf(m[h] - mn);  // m = -inf gives 0
-                const float w = __expf(s - mn);
-                l[h] = l[h] * corr + w;
+            for (int u = 0; u < U; u++) {
+                float k[8];
+                bf16x8_to_float(kr[u], k);
+                float acc_s = 0.0f;
 #pragma unroll
-                for (int i = 0; i < 8; i++) acc[h][i] = acc[h][i] * corr + w * v[i];
-                m[h] = mn;
+                for (int i = 0; i < 8; i++) acc_s = fmaf(qh[i], k[i], acc_s);
+                s[h][u] = acc_s;
+            }
+        }
+        // All G * U sums interleaved, so the shuffles pipeline (no branch between them).
+#pragma unroll
+        for (int o = LANES / 2; o > 0; o >>= 1) {
+#pragma unroll
+            for (int h = 0; h < G; h++) {
+#pragma unroll
+                for (int u = 0; u < U; u++) s[h][u] += __shfl_xor_sync(0xffffffffu, s[h][u], o);
+            }
+        }
+        // One online-softmax update for the U positions.
+#pragma unroll
+        for (int h = 0; h < G; h++) {
+            float mx = m[h];
+#pragma unroll
+            for (int u = 0; u < U; u++)
+                if (base + u * NG + off0 < end) mx = fmaxf(mx, s[h][u]);
+            const float corr = mx == -INFINITY ? 1.0f : fast_exp2(m[h] - mx);  // m = -inf gives 0
+            float lsum = 0.0f;
+#pragma unroll
+            for (int u = 0; u < U; u++) {
+                s[h][u] = base + u * NG + off0 < end ? fast_exp2(s[h][u] - mx) : 0.0f;
+                lsum += s[h][u];
+            }
+            l[h] = l[h] * corr + lsum;
+            m[h] = mx;
+#pragma unroll
+            for (int i = 0; i < 8; i++) acc[h][i] *= corr;
+        }
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            if (base + u * NG >= end) continue;  // block-uniform: no position of this sub-step is left
+            float v[8];
+            bf16x8_to_float(vr[u], v);
+#pragma unroll
+            for (int h = 0; h < G; h++) {
+#pragma unroll
+                for (int i = 0; i < 8; i++) acc[h][i] = fmaf(s[h][u], v[i], acc[h][i]);
             }
         }
     }
+
     // Merge the position groups of each warp (lanes li, li + LANES, ... hold the same dims).
 #pragma unroll
     for (int o = LANES; o < 32; o <<= 1) {
@@ -108,58 +287,50 @@ __device__ void paged_attention(const bf16* __restrict__ qkv, int width, const u
             merge_state<8>(m[h], l[h], acc[h], m2, l2, acc2);
         }
     }
-    // Merge the warps through shared memory; warp 0 ends up with the block's state.
     if (gi == 0) {
 #pragma unroll
         for (int h = 0; h < G; h++) {
-#pragma unroll
-            for (int i = 0; i < 8; i++) sm[warp][h][li * 8 + i] = acc[h][i];
-            if (li == 0) {
-                sm[warp][h][D] = m[h];
-                sm[warp][h][D + 1] = l[h];
-            }
+            *reinterpret_cast<float4*>(&s_acc[warp][h][li * 8]) = make_float4(acc[h][0], acc[h][1], acc[h][2], acc[h][3]);
+            *reinterpret_cast<float4*>(&s_acc[warp][h][li * 8 + 4]) = make_float4(acc[h][4], acc[h][5], acc[h][6], acc[h][7]);
+            if (li == 0) s_ml[warp][h] = make_float2(m[h], l[h]);
         }
     }
     __syncthreads();
-    if (warp == 0 && gi == 0) {
+
+    // Merge the warps: every thread takes float4 columns of the G heads.
+    const size_t rows = (size_t)gridDim.x * num_heads * max_splits;
+    float* p_acc = partial;                                     // [rows][D]
+    float2* p_ml = reinterpret_cast<float2*>(partial + rows * D);  // [rows]
+    for (int e = threadIdx.x; e < G * V4; e += ATTN_THREADS) {
+        const int h = e / V4, d = (e % V4) * 4;
+        float mw[ATTN_WARPS], mx = -INFINITY;
 #pragma unroll
-        for (int h = 0; h < G; h++) {
-            for (int w = 1; w < ATTN_WARPS; w++) {
-                float acc2[8];
+        for (int w = 0; w < ATTN_WARPS; w++) {
+            mw[w] = s_ml[w][h].x;
+            mx = fmaxf(mx, mw[w]);
+        }
+        float ls = 0.0f, a[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
-                for (int i = 0; i < 8; i++) acc2[i] = sm[w][h][li * 8 + i];
-                merge_state<8>(m[h], l[h], acc[h], sm[w][h][D], sm[w][h][D + 1], acc2);
-            }
+        for (int w = 0; w < ATTN_WARPS; w++) {
+            const float c = mw[w] == -INFINITY ? 0.0f : fast_exp2(mw[w] - mx);
+            const float4 x = *reinterpret_cast<const float4*>(&s_acc[w][h][d]);
+            ls += s_ml[w][h].y * c;
+            a[0] += x.x * c, a[1] += x.y * c, a[2] += x.z * c, a[3] += x.w * c;
+        }
+        if (nsplits == 1) {
+            const float inv = 1.0f / ls;
+            store4_bf16(out + (size_t)t * num_heads * D + (size_t)(g * G + h) * D + d, a[0] * inv, a[1] * inv,
+                        a[2] * inv, a[3] * inv);
+        } else {
+            const size_t row = ((size_t)t * num_heads + g * G + h) * max_splits + split;
+            __stcg(reinterpret_cast<float4*>(p_acc + row * D + d), make_float4(a[0], a[1], a[2], a[3]));
+            if (d == 0) __stcg(p_ml + row, make_float2(mx, ls));
         }
     }
-    if (nsplits == 1) {
-        if (warp == 0 && gi == 0) {
-#pragma unroll
-            for (int h = 0; h < G; h++) {
-                float o[8];
-                const float inv = 1.0f / l[h];
-#pragma unroll
-                for (int i = 0; i < 8; i++) o[i] = acc[h][i] * inv;
-                store8(out + (size_t)t * num_heads * D + (size_t)(g * G + h) * D + li * 8, o);
-            }
-        }
-        return;
-    }
+    if (nsplits == 1) return;  // block-uniform
+
     // Split-K: publish this block's state, and let the last block of (token, kv head) merge them all.
-    const size_t stride = D + 2;
-    if (warp == 0 && gi == 0) {
-#pragma unroll
-        for (int h = 0; h < G; h++) {
-            float* dst = partial + (((size_t)t * num_heads + g * G + h) * max_splits + split) * stride;
-#pragma unroll
-            for (int i = 0; i < 8; i++) dst[2 + li * 8 + i] = acc[h][i];
-            if (li == 0) {
-                dst[0] = m[h];
-                dst[1] = l[h];
-            }
-        }
-        __threadfence();
-    }
+    __threadfence();
     __syncthreads();
     if (threadIdx.x == 0) {
         const u32 ticket = atomicAdd(&counters[t * num_kv_heads + g], 1u);
@@ -168,25 +339,57 @@ __device__ void paged_attention(const bf16* __restrict__ qkv, int width, const u
     __syncthreads();
     if (!is_last) return;
     __threadfence();
-    // G * D outputs, one per thread per step.
-    for (int e = threadIdx.x; e < G * D; e += blockDim.x) {
-        const int h = e / D, d = e % D;
-        const float* base = partial + ((size_t)t * num_heads + g * G + h) * max_splits * stride;
-        float mx = -INFINITY;
-        for (int s = 0; s < nsplits; s++) mx = fmaxf(mx, __ldcg(base + s * stride));
-        float lsum = 0.0f, osum = 0.0f;
-        for (int s = 0; s < nsplits; s++) {
-            const float c = __expf(__ldcg(base + s * stride) - mx);
-            lsum += __ldcg(base + s * stride + 1) * c;
-            osum += __ldcg(base + s * stride + 2 + d) * c;
+    // One round trip (two for G * D > 4 * ATTN_THREADS): each thread issues the loads of its first column's
+    // partial sums of every split, while threads of G * MAX_SPLITS (m, l) pairs stage them in shared memory.
+    const size_t row_t = (size_t)t * num_heads + g * G;
+    float4 pa[MAX_SPLITS];
+    {
+        const int e = threadIdx.x, h = e / V4, d = (e % V4) * 4;
+        const size_t row0 = (row_t + h) * max_splits;
+        if (e < G * V4) {
+#pragma unroll
+            for (int s = 0; s < MAX_SPLITS; s++)
+                if (s < nsplits) pa[s] = __ldcg(reinterpret_cast<const float4*>(p_acc + (row0 + s) * D + d));
         }
-        out[(size_t)t * num_heads * D + (size_t)(g * G + h) * D + d] = __float2bfloat16(osum / lsum);
+    }
+    static_assert(G * MAX_SPLITS <= ATTN_THREADS, "one (m, l) pair per thread");
+    if (threadIdx.x < G * MAX_SPLITS) {
+        const int h = threadIdx.x / MAX_SPLITS, s = threadIdx.x % MAX_SPLITS;
+        s_split_ml[h][s] = s < nsplits ? __ldcg(p_ml + (row_t + h) * max_splits + s) : make_float2(-INFINITY, 0.0f);
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e < G * V4; e += ATTN_THREADS) {
+        const int h = e / V4, d = (e % V4) * 4;
+        if (e >= ATTN_THREADS) {  // later columns (only when G * D > 4 * ATTN_THREADS)
+            const size_t row0 = (row_t + h) * max_splits;
+#pragma unroll
+            for (int s = 0; s < MAX_SPLITS; s++)
+                if (s < nsplits) pa[s] = __ldcg(reinterpret_cast<const float4*>(p_acc + (row0 + s) * D + d));
+        }
+        float mx = -INFINITY;
+#pragma unroll
+        for (int s = 0; s < MAX_SPLITS; s++)
+            if (s < nsplits) mx = fmaxf(mx, s_split_ml[h][s].x);
+        float ls = 0.0f, a[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+        for (int s = 0; s < MAX_SPLITS; s++) {
+            if (s < nsplits) {
+                const float2 ml = s_split_ml[h][s];
+                const float c = ml.x == -INFINITY ? 0.0f : fast_exp2(ml.x - mx);
+                ls += ml.y * c;
+                a[0] += pa[s].x * c, a[1] += pa[s].y * c, a[2] += pa[s].z * c, a[3] += pa[s].w * c;
+            }
+        }
+        const float inv = 1.0f / ls;
+        store4_bf16(out + (size_t)t * num_heads * D + (size_t)(g * G + h) * D + d, a[0] * inv, a[1] * inv,
+                    a[2] * inv, a[3] * inv);
     }
     if (threadIdx.x == 0) counters[t * num_kv_heads + g] = 0;
 }
 
 #define ATTENTION_KERNEL(D, G)                                                                                  \
-    extern "C" __global__ void __launch_bounds__(ATTN_THREADS) paged_attention_d##D##_g##G(                    \
+    extern "C" __global__ void __launch_bounds__(ATTN_THREADS, (AttnConfig<D, G>::MIN_BLOCKS))                \
+        paged_attention_d##D##_g##G(                                                                            \
         const bf16* qkv, int width, const u32* positions, const u32* token_seq, const u32* seq_info,           \
         const u32* block_tables, const bf16* k_cache, const bf16* v_cache, int block_size, int num_kv_heads,    \
         float scale, bf16* out, float* partial, u32* counters) {                                                \

@@ -1,83 +1,252 @@
-// Bandwidth-bound y[M, N] = x[M, K] · W[N, K]ᵀ (+ bias) for small M (decode batches of 1..8), where a
-// cuBLAS GEMM is latency-bound. Each weight row is read once with 16-byte loads; the warps of a block split
-// K between them (split-K) when N alone would not fill the GPU.
-// Optionally the input is silu(gate) * up of [gate | up] rows (the MLP activation fused into down_proj).
+// Bandwidth-bound y[M, N] = f(x)[M, K] · W[N, K]ᵀ for small M (decode batches of 1..8), where a cuBLAS GEMM
+// is latency-bound. Each weight row is read once with 16-byte loads, GEMV_UNROLL of them in flight per lane;
+// the warps of a block may split K between them (split-K) when N alone would not fill the GPU.
+//
+// One kernel does what would otherwise be three launches around the projection:
+//   input  IN_PLAIN: x as given;  IN_NORM: rms_norm(x) * norm_w, computed by every block into shared memory
+//   output OUT_STORE: y = x·Wᵀ (+ bias);  OUT_ADD: y += x·Wᵀ (+ bias) (the residual stream);
+//          OUT_SILU: W is [gate | up] (N rows, N/2 each); one warp computes gate row n and up row n, and
+//          y[m, n] = silu(gate) * up, so y is [M, N/2]
+// Roundings follow transformers in bf16: the normed input and every projection output are bf16 before use.
 #include "common.cuh"
 
 #define GEMV_THREADS 256
 #define GEMV_WARPS 8
+#define GEMV_UNROLL 4
 
-template <int M, bool SILU>
-__device__ __forceinline__ void load_x(const bf16* x, int m, int K, int c, float out[8]) {
-    if (SILU) {
-        float g[8], u[8];
-        load8_cg(x + (size_t)m * 2 * K + c * 8, g);
-        load8_cg(x + (size_t)m * 2 * K + K + c * 8, u);
+#define IN_PLAIN 0
+#define IN_NORM 1
+#define OUT_STORE 0
+#define OUT_ADD 1
+#define OUT_SILU 2
+
+extern __shared__ __align__(16) unsigned char gemv_smem[];
+
+// x (or its rms_norm) into shared memory as bf16 [M][K]. Every thread of the block takes part; one read of x
+// from L2, and the rows are normalized together (warp m sums row m), so M rows cost no more round trips than one.
+template <int M, int IN>
+__device__ __forceinline__ void stage_input(const bf16* __restrict__ x, const float* __restrict__ norm_w,
+                                            float eps, int K, bf16* xs, float* inv) {
+    const uint4* src = reinterpret_cast<const uint4*>(x);
+    uint4* dst = reinterpret_cast<uint4*>(xs);
+    const int vecs = K / 8;
+    for (int i = threadIdx.x; i < M * vecs; i += blockDim.x) dst[i] = __ldcg(src + i);
+    __syncthreads();
+    if (IN == IN_NORM) {
+        const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+        if (warp < M) {
+            float ss = 0.0f;
+            for (int i = lane; i < vecs; i += 32) {
+                float v[8];
+                const uint4 raw = dst[warp * vecs + i];
+                const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
 #pragma unroll
-        for (int i = 0; i < 8; i++) out[i] = bf16r(bf16r(g[i] / (1.0f + __expf(-g[i]))) * u[i]);
-    } else {
-        load8_cg(x + (size_t)m * K + c * 8, out);
+                for (int j = 0; j < 4; j++) {
+                    const float2 f = __bfloat1622float2(h[j]);
+                    v[2 * j] = f.x;
+                    v[2 * j + 1] = f.y;
+                }
+#pragma unroll
+                for (int j = 0; j < 8; j++) ss += v[j] * v[j];
+            }
+            ss = warp_sum(ss);
+            if (lane == 0) inv[warp] = rsqrtf(ss / K + eps);
+        }
+        __syncthreads();
+        for (int i = threadIdx.x; i < M * vecs; i += blockDim.x) {
+            const int m = i / vecs, c = (i % vecs) * 8;
+            const uint4 raw = dst[i];
+            const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
+            float v[8];
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                const float2 f = __bfloat1622float2(h[j]);
+                v[2 * j] = norm_w[c + 2 * j] * bf16r(f.x * inv[m]);
+                v[2 * j + 1] = norm_w[c + 2 * j + 1] * bf16r(f.y * inv[m]);
+            }
+            store8(xs + (size_t)i * 8, v);
+        }
+        __syncthreads();
     }
 }
 
-// grid: ceil(N / (GEMV_WARPS / warps_per_row)); block: GEMV_THREADS. K % 8 == 0; warps_per_row in {1,2,4,8}.
-template <int M, bool SILU>
-__device__ void gemv(const bf16* __restrict__ x, const bf16* __restrict__ w, const float* __restrict__ bias,
-                     bf16* __restrict__ y, int N, int K, int warps_per_row) {
-    __shared__ float sums[GEMV_WARPS][M];
+__device__ __forceinline__ float dot8(uint4 w, uint4 x) {
+    const __nv_bfloat162* a = reinterpret_cast<const __nv_bfloat162*>(&w);
+    const __nv_bfloat162* b = reinterpret_cast<const __nv_bfloat162*>(&x);
+    float s = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        const float2 fa = __bfloat1622float2(a[i]), fb = __bfloat1622float2(b[i]);
+        s = fmaf(fa.x, fb.x, s);
+        s = fmaf(fa.y, fb.y, s);
+    }
+    return s;
+}
+
+// This lane's GEMV_UNROLL 16-byte chunks of the R weight rows of output column `col`, from chunk c0 on
+// (zeros past the row's end or past the last column).
+template <int R>
+__device__ __forceinline__ void load_weights(const bf16* __restrict__ w, int col, int cols, int K, int c0, int step,
+                                             uint4 wv[R][GEMV_UNROLL]) {
+    const int chunks = K / 8;
+#pragma unroll
+    for (int r = 0; r < R; r++) {
+        const uint4* row = reinterpret_cast<const uint4*>(w + (size_t)(col + r * cols) * K);
+#pragma unroll
+        for (int u = 0; u < GEMV_UNROLL; u++) {
+            const int c = c0 + u * step;
+            wv[r][u] = (col < cols && c < chunks) ? __ldg(row + c) : make_uint4(0, 0, 0, 0);
+        }
+    }
+}
+
+// grid: any (block-stride loop over row groups); block: GEMV_THREADS; dynamic shared memory: M * K * 2 bytes.
+// K % 8 == 0; warps_per_row in {1, 2, 4, 8}; for OUT_SILU, N is the full [gate | up] height.
+// The weights are software-pipelined: the next batch of loads is issued before the current one is used, and
+// the first batch before the input is staged, so the input's latency hides behind the weights'.
+template <int M, int IN, int OUT>
+__device__ void gemv(const bf16* __restrict__ x, const float* __restrict__ norm_w, float eps,
+                     const bf16* __restrict__ w, const float* __restrict__ bias, bf16* __restrict__ y, int N, int K,
+                     int warps_per_row) {
+    constexpr int R = OUT == OUT_SILU ? 2 : 1;  // weight rows per output column
+    __shared__ float inv[M];
+    __shared__ float sums[GEMV_WARPS][R][M];
+    bf16* xs = reinterpret_cast<bf16*>(gemv_smem);
+
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int rows_per_block = GEMV_WARPS / warps_per_row;
-    const int row = blockIdx.x * rows_per_block + warp / warps_per_row;
     const int part = warp % warps_per_row;
-    float acc[M];
+    const int cols = N / R;  // output columns
+    const int chunks = K / 8, step = warps_per_row * 32, start = part * 32 + lane;
+    const uint4* xv = reinterpret_cast<const uint4*>(xs);
+
+    int first = blockIdx.x * rows_per_block;
+    uint4 wv[R][GEMV_UNROLL];
+    load_weights<R>(w, first + warp / warps_per_row, cols, K, start, step, wv);
+    stage_input<M, IN>(x, norm_w, eps, K, xs, inv);
+
+    // Block-uniform loop, so the barriers inside are safe.
+    for (; first < cols; first += gridDim.x * rows_per_block) {
+        const int col = first + warp / warps_per_row;
+        const int next_col = col + gridDim.x * rows_per_block;
+        float acc[R][M];
 #pragma unroll
-    for (int m = 0; m < M; m++) acc[m] = 0.0f;
-    if (row < N) {
-        const bf16* wr = w + (size_t)row * K;
-        const int chunks = K / 8, step = warps_per_row * 32;
-#pragma unroll 4
-        for (int c = part * 32 + lane; c < chunks; c += step) {
-            float wv[8];
-            load8(wr + c * 8, wv);
+        for (int r = 0; r < R; r++)
 #pragma unroll
-            for (int m = 0; m < M; m++) {
-                float xv[8];
-                load_x<M, SILU>(x, m, K, c, xv);
+            for (int m = 0; m < M; m++) acc[r][m] = 0.0f;
+        for (int c0 = start; c0 < chunks; c0 += GEMV_UNROLL * step) {
+            uint4 cur[R][GEMV_UNROLL];
 #pragma unroll
-                for (int i = 0; i < 8; i++) acc[m] += wv[i] * xv[i];
+            for (int r = 0; r < R; r++)
+#pragma unroll
+                for (int u = 0; u < GEMV_UNROLL; u++) cur[r][u] = wv[r][u];
+            const int next = c0 + GEMV_UNROLL * step;
+            if (next < chunks) load_weights<R>(w, col, cols, K, next, step, wv);
+            else load_weights<R>(w, next_col, cols, K, start, step, wv);
+            if (col < cols) {
+#pragma unroll
+                for (int u = 0; u < GEMV_UNROLL; u++) {
+                    const int c = c0 + u * step;
+                    if (c < chunks) {
+#pragma unroll
+                        for (int m = 0; m < M; m++) {
+                            const uint4 xm = xv[m * chunks + c];
+#pragma unroll
+                            for (int r = 0; r < R; r++) acc[r][m] += dot8(cur[r][u], xm);
+                        }
+                    }
+                }
             }
+        }
+#pragma unroll
+        for (int r = 0; r < R; r++)
+#pragma unroll
+            for (int m = 0; m < M; m++) acc[r][m] = warp_sum(acc[r][m]);
+        if (lane == 0) {
+#pragma unroll
+            for (int r = 0; r < R; r++)
+#pragma unroll
+                for (int m = 0; m < M; m++) sums[warp][r][m] = acc[r][m];
+        }
+        __syncthreads();
+        if (part == 0 && lane < M && col < cols) {
+            const int m = lane;
+            float s[R];
+#pragma unroll
+            for (int r = 0; r < R; r++) {
+                s[r] = 0.0f;
+                for (int p = 0; p < warps_per_row; p++) s[r] += sums[warp + p][r][m];
+            }
+            if (OUT == OUT_SILU) {
+                const float g = bf16r(s[0]), u = bf16r(s[1]);
+                y[(size_t)m * cols + col] = __float2bfloat16(bf16r(g / (1.0f + __expf(-g))) * u);
+            } else {
+                float v = s[0];
+                if (bias) v += bias[col];
+                bf16* dst = y + (size_t)m * cols + col;
+                if (OUT == OUT_ADD) v = __bfloat162float(*dst) + bf16r(v);
+                *dst = __float2bfloat16(v);
+            }
+        }
+        __syncthreads();  // sums is reused by the next row group
+    }
+}
+
+#define GEMV_VARIANT(M, IN, OUT, NAME)                                                                          \
+    extern "C" __global__ void __launch_bounds__(GEMV_THREADS) NAME##_m##M(                                    \
+        const bf16* x, const float* norm_w, float eps, const bf16* w, const float* bias, bf16* y, int N, int K,  \
+        int wpr) {                                                                                               \
+        gemv<M, IN, OUT>(x, norm_w, eps, w, bias, y, N, K, wpr);                                                 \
+    }
+
+// Names: gemv_{in}_{out}_m{M}; the host picks one per (prologue, epilogue) and batch size.
+#define GEMV_ALL(M)                                            \
+    GEMV_VARIANT(M, IN_PLAIN, OUT_STORE, gemv_plain_store)     \
+    GEMV_VARIANT(M, IN_PLAIN, OUT_ADD, gemv_plain_add)         \
+    GEMV_VARIANT(M, IN_NORM, OUT_STORE, gemv_norm_store)       \
+    GEMV_VARIANT(M, IN_NORM, OUT_SILU, gemv_norm_silu)
+
+GEMV_ALL(1)
+GEMV_ALL(2)
+GEMV_ALL(3)
+GEMV_ALL(4)
+GEMV_ALL(5)
+GEMV_ALL(6)
+GEMV_ALL(7)
+GEMV_ALL(8)
+
+// keys[r] = max over v of (key(logits[r, v]) << 32 | ~v): the first maximum of each row, as the greedy sampler
+// picks it (NaN never wins). keys must be zero before the launch. grid: (rows, blocks per row); V % 8 == 0.
+__device__ __forceinline__ u32 order_key(float x) {
+    if (isnan(x)) return 0u;
+    const u32 b = __float_as_uint(x);
+    return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+
+extern "C" __global__ void argmax_rows(const bf16* __restrict__ logits, int V, unsigned long long* __restrict__ keys) {
+    __shared__ unsigned long long best_of_warp[32];
+    const int r = blockIdx.x;
+    const uint4* row = reinterpret_cast<const uint4*>(logits + (size_t)r * V);
+    unsigned long long best = 0;
+    for (int i = blockIdx.y * blockDim.x + threadIdx.x; i < V / 8; i += gridDim.y * blockDim.x) {
+        const uint4 raw = __ldcg(row + i);
+        const bf16* h = reinterpret_cast<const bf16*>(&raw);
+#pragma unroll
+        for (int j = 0; j < 8; j++) {
+            const u32 id = i * 8 + j;
+            const unsigned long long k = ((unsigned long long)order_key(__bfloat162float(h[j])) << 32) | (0xffffffffu - id);
+            best = k > best ? k : best;
         }
     }
 #pragma unroll
-    for (int m = 0; m < M; m++) acc[m] = warp_sum(acc[m]);
-    if (lane == 0) {
-#pragma unroll
-        for (int m = 0; m < M; m++) sums[warp][m] = acc[m];
+    for (int o = 16; o > 0; o >>= 1) {
+        const unsigned long long other = __shfl_xor_sync(0xffffffffu, best, o);
+        best = other > best ? other : best;
     }
+    if ((threadIdx.x & 31) == 0) best_of_warp[threadIdx.x >> 5] = best;
     __syncthreads();
-    if (part == 0 && lane < M && row < N) {
-        float s = 0.0f;
-        for (int p = 0; p < warps_per_row; p++) s += sums[warp + p][lane];
-        if (bias) s += bias[row];
-        y[(size_t)lane * N + row] = __float2bfloat16(s);
+    if (threadIdx.x == 0) {
+        for (int i = 1; i < (int)(blockDim.x >> 5); i++) best = best_of_warp[i] > best ? best_of_warp[i] : best;
+        atomicMax(keys + r, best);
     }
 }
-
-#define GEMV_KERNEL(M)                                                                                        \
-    extern "C" __global__ void __launch_bounds__(GEMV_THREADS)                                               \
-        gemv_m##M(const bf16* x, const bf16* w, const float* bias, bf16* y, int N, int K, int wpr) {         \
-        gemv<M, false>(x, w, bias, y, N, K, wpr);                                                             \
-    }                                                                                                         \
-    extern "C" __global__ void __launch_bounds__(GEMV_THREADS)                                               \
-        gemv_silu_m##M(const bf16* x, const bf16* w, const float* bias, bf16* y, int N, int K, int wpr) {    \
-        gemv<M, true>(x, w, bias, y, N, K, wpr);                                                              \
-    }
-
-GEMV_KERNEL(1)
-GEMV_KERNEL(2)
-GEMV_KERNEL(3)
-GEMV_KERNEL(4)
-GEMV_KERNEL(5)
-GEMV_KERNEL(6)
-GEMV_KERNEL(7)
-GEMV_KERNEL(8)

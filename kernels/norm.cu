@@ -1,4 +1,4 @@
-// RMSNorm and the fused residual add + RMSNorm. One block per row.
+// RMSNorm, one block per row (batches the GEMV kernels do not serve; there the norm is their prologue).
 // transformers' LlamaRMSNorm normalises in f32, rounds to bf16, then multiplies by the bf16 weight (rounding
 // again); we follow the same two roundings so our hidden states match it, not just approximately.
 #include "common.cuh"
@@ -28,24 +28,4 @@ extern "C" __global__ void rms_norm(const bf16* __restrict__ x, const float* __r
     __shared__ float scratch[32];
     const size_t r = blockIdx.x;
     normalize_row(x + r * cols, w, eps, out + r * cols, cols, scratch);
-}
-
-// residual += delta (rounded to bf16, as the bf16 add in transformers); out = rms_norm(residual) * w.
-// Each thread re-reads only the elements it wrote itself, so no barrier is needed between the passes.
-extern "C" __global__ void add_rms_norm(bf16* __restrict__ residual, const bf16* __restrict__ delta,
-                                        const float* __restrict__ w, float eps, bf16* __restrict__ out,
-                                        int cols) {
-    __shared__ float scratch[32];
-    const size_t r = blockIdx.x;
-    bf16* res = residual + r * cols;
-    const bf16* d = delta + r * cols;
-    for (int c = threadIdx.x * 8; c < cols; c += blockDim.x * 8) {
-        float a[8], b[8];
-        load8_cg(res + c, a);
-        load8_cg(d + c, b);
-#pragma unroll
-        for (int i = 0; i < 8; i++) a[i] += b[i];
-        store8(res + c, a);
-    }
-    normalize_row(res, w, eps, out + r * cols, cols, scratch);
 }

@@ -152,12 +152,17 @@ def test_step_records_are_complete() -> None:
     first = stepped.prefill(stepllm.ImmutablePrefillBatch(target=founder))
     assert first.ok and first.step_id >= 1 and first.execution.rows == 1 and first.execution.tokens == 3
     assert first.execution.cuda_graph is False and first.execution.elapsed_us >= 0
+    # A CPU runner never waits on a device: all of a step's time is host time (elapsed - device_wait).
+    assert first.execution.device_wait_us == 0 <= first.execution.elapsed_us
+    assert "device_wait_us=0" in repr(first.execution)
     assert first.participants[0].identity == stepllm.SequenceIdentity(5, 2, founder)
     assert "StepResult(ok=True" in repr(first)
     last = None
     while stepped.residents():
         last = stepped.decode(stepllm.ImmutableDecodeBatch(residents=stepped.residents()))
         assert last.step_id > first.step_id
+        ex = last.execution
+        assert ex.rows == 1 and ex.cuda_graph is False and ex.device_wait_us == 0 <= ex.elapsed_us
     assert last is not None
     ((ref, result),) = last.finished
     assert ref == founder and result.identity.request_id == 5 and result.finish_reason == stepllm.FinishReason.LENGTH

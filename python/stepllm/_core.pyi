@@ -117,9 +117,17 @@ class StepExecution:
     @property
     def tokens(self) -> int: ...
     @property
-    def elapsed_us(self) -> int: ...
+    def elapsed_us(self) -> int:
+        """Wall time of the whole step inside the runtime, in microseconds."""
     @property
-    def cuda_graph(self) -> bool: ...
+    def device_wait_us(self) -> int:
+        """Part of ``elapsed_us`` spent blocked waiting for the device (0 on the CPU).
+
+        The step's host time is ``elapsed_us - device_wait_us``.
+        """
+    @property
+    def cuda_graph(self) -> bool:
+        """Whether the step's forward was replayed from a captured CUDA graph."""
     def __eq__(self, other: object, /) -> bool: ...
     def __hash__(self) -> int: ...
 

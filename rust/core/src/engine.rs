@@ -61,6 +61,9 @@ impl RequestEngine {
     pub fn new(coordinator: RuntimeCoordinator) -> Result<Self> {
         // The engine drives the stepper for its whole life; no stepped session may run beside it.
         coordinator.claim_session()?;
+        // Decode from CUDA graphs, as a serving engine should (a no-op on the CPU; a failed capture decodes
+        // eagerly with a warning).
+        coordinator.capture_decoding_cuda_graph()?;
         let coordinator = Arc::new(coordinator);
         let (tx, rx) = channel();
         let stats = Arc::new(Mutex::new(EngineStats::default()));

@@ -47,11 +47,21 @@ pub struct BatchResult {
 }
 
 /// How a step was executed; informational.
+///
+/// The host time of a step (scheduling, batch planning, sampling bookkeeping, detokenization, stop matching,
+/// launching work) is `elapsed_us - device_wait_us`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub struct StepExecution {
+    /// Sequences computed in this step.
     pub rows: usize,
+    /// Tokens computed in this step (prompt tokens in prefill, one per row in decode).
     pub tokens: usize,
+    /// Wall time of the whole step inside the stepper, in microseconds.
     pub elapsed_us: u64,
+    /// Part of `elapsed_us` the step's forward spent blocked waiting for the device (0 on the CPU, and
+    /// when no forward ran); never more than `elapsed_us`.
+    pub device_wait_us: u64,
+    /// Whether the step's forward was replayed from a captured CUDA graph.
     pub cuda_graph: bool,
 }
 

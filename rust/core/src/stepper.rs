@@ -5,7 +5,7 @@ use std::time::Instant;
 
 use crate::error::{protocol, Error, Result};
 use crate::ids::{ResidentRef, SequenceIdentity, StepId};
-use crate::model::{ForwardBatch, ModelRunner, SeqSlice};
+use crate::model::{ForwardBatch, ModelRunner, SeqSlice, StepTiming};
 use crate::request::FinishReason;
 use crate::sampling::{resolve_seed, RowContext, Sampled};
 use crate::session::{Ending, GenerationSession, Phase, SequenceRow};
@@ -161,11 +161,13 @@ impl RuntimeStepper {
             past_length: row.computed,
             select_last_token_logits: true,
         };
-        let outcome = if let Some(ending) = row.latched.clone() {
-            Err(ending)
+        // A latched (cancelled) sequence runs no forward: no device time to report.
+        let (outcome, timing) = if let Some(ending) = row.latched.clone() {
+            (Err(ending), StepTiming::default())
         } else {
             let batch = self.plan_forward(&[target], SequenceWork::Context);
-            self.run_and_sample(&batch, &[target])
+            let outcome = self.run_and_sample(&batch, &[target]);
+            (outcome, self.runner.last_step_timing())
         };
         let ok = outcome.is_ok();
         let row = self.row_mut(target)?;
@@ -178,7 +180,7 @@ impl RuntimeStepper {
             Err(ending) => row.ending = Some(ending),
         }
         let published = self.publish_prefix(target, CommitPolicy::PrefillOnly)?;
-        let exec = StepExecution { rows: 1, tokens: descriptor.query_length, elapsed_us: elapsed_us(started), cuda_graph: false };
+        let exec = execution(1, descriptor.query_length, started, timing);
         self.commit(ok, SequenceWork::Context, vec![descriptor], exec, published)
     }
 
@@ -207,9 +209,12 @@ impl RuntimeStepper {
             })
             .collect();
         let mut ok = true;
+        let mut timing = StepTiming::default();
         if !computing.is_empty() {
             let fb = self.plan_forward(&computing, SequenceWork::Decode);
-            match self.run_and_sample(&fb, &computing) {
+            let outcome = self.run_and_sample(&fb, &computing);
+            timing = self.runner.last_step_timing();
+            match outcome {
                 Ok(sampled) => {
                     for (r, s) in computing.iter().zip(sampled) {
                         self.row_mut(*r)?.computed += 1;
@@ -230,7 +235,7 @@ impl RuntimeStepper {
                 published |= self.publish_prefix(*r, CommitPolicy::IncludingGenerated)?;
             }
         }
-        let exec = StepExecution { rows: computing.len(), tokens: computing.len(), elapsed_us: elapsed_us(started), cuda_graph: false };
+        let exec = execution(computing.len(), computing.len(), started, timing);
         self.commit(ok, SequenceWork::Decode, descriptors, exec, published)
     }
 
@@ -451,8 +456,18 @@ impl RuntimeStepper {
     }
 }
 
-fn elapsed_us(since: Instant) -> u64 {
-    since.elapsed().as_micros() as u64
+/// A step's execution record: wall time since `started`, and the runner's device wait and graph use for the
+/// step's forward. The device wait is measured by the runner on its own clock inside the step; it is capped at
+/// the step's elapsed time so that `elapsed_us - device_wait_us` (the step's host time) never underflows.
+fn execution(rows: usize, tokens: usize, started: Instant, timing: StepTiming) -> StepExecution {
+    let elapsed_us = started.elapsed().as_micros() as u64;
+    StepExecution {
+        rows,
+        tokens,
+        elapsed_us,
+        device_wait_us: timing.device_wait_us.min(elapsed_us),
+        cuda_graph: timing.cuda_graph,
+    }
 }
 
 /// Entropy for unseeded requests: time and a counter, so two requests never share a stream.

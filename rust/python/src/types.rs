@@ -219,13 +219,20 @@ impl PyStepExecution {
     fn elapsed_us(&self) -> u64 {
         self.0.elapsed_us
     }
+    /// Part of `elapsed_us` the step's forward spent blocked waiting for the device (0 on the CPU); the
+    /// step's host time is `elapsed_us - device_wait_us`.
+    #[getter]
+    fn device_wait_us(&self) -> u64 {
+        self.0.device_wait_us
+    }
     #[getter]
     fn cuda_graph(&self) -> bool {
         self.0.cuda_graph
     }
     fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
         py_repr!(py, "StepExecution", "rows" => self.0.rows, "tokens" => self.0.tokens,
-            "elapsed_us" => self.0.elapsed_us, "cuda_graph" => self.0.cuda_graph)
+            "elapsed_us" => self.0.elapsed_us, "device_wait_us" => self.0.device_wait_us,
+            "cuda_graph" => self.0.cuda_graph)
     }
 }
 

@@ -200,30 +200,18 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
-    fn add_rms_norm(
-        &self,
-        residual: &mut CpuTensor,
-        delta: &CpuTensor,
-        weight: &CpuVector,
-        eps: f32,
-        out: &mut CpuTensor,
-    ) -> Result<()> {
-        check_same_shape("add_rms_norm", residual, delta)?;
-        check_width("add_rms_norm", residual.cols, weight.0.len())?;
-        let cols = residual.cols;
-        out.reshape(residual.rows, cols);
-        let add_then_norm = |((res, d), o): ((&mut [f32], &[f32]), &mut [f32])| {
-            for (ri, di) in res.iter_mut().zip(d) {
-                *ri += di;
+    fn add(&self, x: &mut CpuTensor, delta: &CpuTensor) -> Result<()> {
+        check_same_shape("add", x, delta)?;
+        let add_row = |(xs, ds): (&mut [f32], &[f32])| {
+            for (xi, di) in xs.iter_mut().zip(ds) {
+                *xi += di;
             }
-            rms_norm_row(res, &weight.0, eps, o);
         };
-        if residual.data.len() >= PARALLEL_ELEMENTS {
-            let rows = residual.data.par_chunks_mut(cols).zip(delta.data.par_chunks(cols));
-            rows.zip(out.data.par_chunks_mut(cols)).for_each(add_then_norm);
+        let cols = x.cols.max(1);
+        if x.data.len() >= PARALLEL_ELEMENTS {
+            x.data.par_chunks_mut(cols).zip(delta.data.par_chunks(cols)).for_each(add_row);
         } else {
-            let rows = residual.data.chunks_mut(cols).zip(delta.data.chunks(cols));
-            rows.zip(out.data.chunks_mut(cols)).for_each(add_then_norm);
+            x.data.chunks_mut(cols).zip(delta.data.chunks(cols)).for_each(add_row);
         }
         Ok(())
     }
@@ -376,5 +364,9 @@ impl<R: crate::model::ModelRunner> crate::model::ModelRunner for InRayonPool<R> 
 
     fn capture_decode_graphs(&mut self, max_batch_size: usize) -> Result<bool> {
         self.0.capture_decode_graphs(max_batch_size)
+    }
+
+    fn last_step_timing(&self) -> crate::model::StepTiming {
+        self.0.last_step_timing()
     }
 }

@@ -115,15 +115,8 @@ pub trait Backend: Send + Sized + 'static {
     fn embed(&self, table: &Self::Matrix, batch: &Self::Batch, out: &mut Self::Tensor) -> Result<()>;
     /// `out = rms_norm(x) * weight`.
     fn rms_norm(&self, x: &Self::Tensor, weight: &Self::Vector, eps: f32, out: &mut Self::Tensor) -> Result<()>;
-    /// `residual += delta; out = rms_norm(residual) * weight` (the pre-norm transformer's skip connection).
-    fn add_rms_norm(
-        &self,
-        residual: &mut Self::Tensor,
-        delta: &Self::Tensor,
-        weight: &Self::Vector,
-        eps: f32,
-        out: &mut Self::Tensor,
-    ) -> Result<()>;
+    /// `x += delta` (the residual stream's skip connection).
+    fn add(&self, x: &mut Self::Tensor, delta: &Self::Tensor) -> Result<()>;
     /// `out = x · weightᵀ (+ bias)`.
     fn linear(&self, x: &Self::Tensor, weight: &Self::Matrix, bias: Option<&Self::Vector>, out: &mut Self::Tensor)
         -> Result<()>;
@@ -157,6 +150,55 @@ pub trait Backend: Send + Sized + 'static {
     fn select_logits_rows(&self, x: &Self::Tensor, batch: &Self::Batch, out: &mut Self::Tensor) -> Result<()>;
     /// Row-major copy of the whole tensor into `out` (replacing its contents).
     fn copy_to_host(&self, x: &Self::Tensor, out: &mut Vec<f32>) -> Result<()>;
+
+    // Fused projections. Each is a composition of the ops above (the defaults); a GPU backend overrides them
+    // to run as one kernel at decode batch sizes, where launches and re-reads of activations dominate.
+    // `normed`, `product` are scratch tensors that the composition needs and a fused kernel may ignore.
+
+    /// `out = (rms_norm(x) * norm) · weightᵀ (+ bias)`.
+    #[allow(clippy::too_many_arguments)]
+    fn norm_linear(
+        &self,
+        x: &Self::Tensor,
+        norm: &Self::Vector,
+        eps: f32,
+        weight: &Self::Matrix,
+        bias: Option<&Self::Vector>,
+        normed: &mut Self::Tensor,
+        out: &mut Self::Tensor,
+    ) -> Result<()> {
+        self.rms_norm(x, norm, eps, normed)?;
+        self.linear(normed, weight, bias, out)
+    }
+
+    /// The MLP's first half: `[gate | up] = (rms_norm(x) * norm) · gate_upᵀ`, then `out = silu(gate) * up`.
+    #[allow(clippy::too_many_arguments)]
+    fn norm_linear_silu(
+        &self,
+        x: &Self::Tensor,
+        norm: &Self::Vector,
+        eps: f32,
+        gate_up: &Self::Matrix,
+        normed: &mut Self::Tensor,
+        product: &mut Self::Tensor,
+        out: &mut Self::Tensor,
+    ) -> Result<()> {
+        self.norm_linear(x, norm, eps, gate_up, None, normed, product)?;
+        self.silu_mul(product, out)
+    }
+
+    /// `residual += x · weightᵀ (+ bias)`: a projection back into the residual stream.
+    fn linear_add(
+        &self,
+        x: &Self::Tensor,
+        weight: &Self::Matrix,
+        bias: Option<&Self::Vector>,
+        product: &mut Self::Tensor,
+        residual: &mut Self::Tensor,
+    ) -> Result<()> {
+        self.linear(x, weight, bias, product)?;
+        self.add(residual, product)
+    }
 }
 
 /// Overwrite a CPU activation's values in place, keeping its shape: the host-side tensor-parallel

@@ -186,9 +186,10 @@ impl<B: Backend> LlamaModel<B> {
         })
     }
 
-    /// Every decoder layer over the embedded batch, leaving the final normed hidden states in `scratch.normed`.
+    /// Every decoder layer over the embedded batch, leaving the residual stream (before the final norm) in
+    /// `scratch.residual`.
     fn run_decoder(&mut self) -> Result<()> {
-        let Self { backend, layers, scratch: s, batch, attention, config, embed_tokens, final_norm, kv_cache, tp, .. } = self;
+        let Self { backend, layers, scratch: s, batch, attention, config, embed_tokens, kv_cache, tp, .. } = self;
         let Some((cache, _)) = kv_cache.as_mut() else {
             return protocol("allocate_kv_cache must be called before forward");
         };
@@ -199,43 +200,30 @@ impl<B: Backend> LlamaModel<B> {
             None => backend.embed(embed_tokens, batch, &mut s.residual)?,
         }
         let hooks = tp.as_ref().map(|tp| tp.hooks.as_ref());
-        let reduce = |backend: &B, x: &mut B::Tensor| match hooks {
-            Some(h) => h.all_reduce(backend, x),
-            None => Ok(()),
-        };
-        reduce(backend, &mut s.residual)?;
+        if let Some(h) = hooks {
+            h.all_reduce(backend, &mut s.residual)?;
+        }
         for (index, layer) in layers.iter().enumerate() {
-            // The first layer normalizes the embeddings; later ones first add the previous MLP's output.
-            if index == 0 {
-                backend.rms_norm(&s.residual, &layer.input_norm, eps, &mut s.normed)?;
-            } else {
-                backend.add_rms_norm(&mut s.residual, &s.block_output, &layer.input_norm, eps, &mut s.normed)?;
-            }
-            backend.linear(&s.normed, &layer.qkv_proj, layer.qkv_bias.as_ref(), &mut s.qkv)?;
+            backend.norm_linear(&s.residual, &layer.input_norm, eps, &layer.qkv_proj, layer.qkv_bias.as_ref(), &mut s.normed, &mut s.qkv)?;
             let qk_norm = layer.qk_norm.as_ref().map(|(q, k)| (q, k));
             backend.rope_and_write_kv(&mut s.qkv, qk_norm, attention, batch, cache, index)?;
             backend.paged_attention(&s.qkv, attention, batch, cache, index, &mut s.attention)?;
-            backend.linear(&s.attention, &layer.o_proj, layer.o_bias.as_ref(), &mut s.block_output)?;
-            reduce(backend, &mut s.block_output)?;
+            project_into_residual(backend, hooks, &s.attention, &layer.o_proj, layer.o_bias.as_ref(), &mut s.block_output, &mut s.residual)?;
 
-            backend.add_rms_norm(&mut s.residual, &s.block_output, &layer.post_attention_norm, eps, &mut s.normed)?;
-            backend.linear(&s.normed, &layer.gate_up_proj, None, &mut s.gate_up)?;
-            backend.silu_mul(&s.gate_up, &mut s.activated)?;
-            backend.linear(&s.activated, &layer.down_proj, None, &mut s.block_output)?;
-            reduce(backend, &mut s.block_output)?;
+            backend.norm_linear_silu(&s.residual, &layer.post_attention_norm, eps, &layer.gate_up_proj, &mut s.normed, &mut s.gate_up, &mut s.activated)?;
+            project_into_residual(backend, hooks, &s.activated, &layer.down_proj, None, &mut s.block_output, &mut s.residual)?;
         }
-        if layers.is_empty() {
-            return backend.rms_norm(&s.residual, final_norm, eps, &mut s.normed);
-        }
-        backend.add_rms_norm(&mut s.residual, &s.block_output, final_norm, eps, &mut s.normed)
+        Ok(())
     }
 
-    /// Logits of the batch's requested rows, row-major `[rows, vocab]`.
+    /// Logits of the batch's requested rows, row-major `[rows, vocab]`: the final norm and the LM head run on
+    /// those rows only.
     fn logits(&mut self) -> Result<Vec<f32>> {
         let s = &mut self.scratch;
         let lm_head = self.lm_head.as_ref().unwrap_or(&self.embed_tokens);
-        self.backend.select_logits_rows(&s.normed, &self.batch, &mut s.selected)?;
-        self.backend.linear(&s.selected, lm_head, None, &mut s.logits)?;
+        let eps = self.config.rms_norm_eps;
+        self.backend.select_logits_rows(&s.residual, &self.batch, &mut s.selected)?;
+        self.backend.norm_linear(&s.selected, &self.final_norm, eps, lm_head, None, &mut s.normed, &mut s.logits)?;
         let mut host = Vec::new();
         self.backend.copy_to_host(&s.logits, &mut host)?;
         match &self.tp {
@@ -329,6 +317,26 @@ impl<B: Backend> ModelRunner for LlamaModel<B> {
     fn parameter_count(&self) -> usize {
         self.parameter_count
     }
+}
+
+/// `residual += x · weightᵀ (+ bias)`. Under tensor parallelism `weight` is a row-parallel shard, so the
+/// ranks' partial products are all-reduced before the add; alone, the backend may fuse the add into the GEMV.
+#[allow(clippy::too_many_arguments)]
+fn project_into_residual<B: Backend>(
+    backend: &B,
+    hooks: Option<&dyn TensorParallelHooks<B>>,
+    x: &B::Tensor,
+    weight: &B::Matrix,
+    bias: Option<&B::Vector>,
+    product: &mut B::Tensor,
+    residual: &mut B::Tensor,
+) -> Result<()> {
+    let Some(hooks) = hooks else {
+        return backend.linear_add(x, weight, bias, product, residual);
+    };
+    backend.linear(x, weight, bias, product)?;
+    hooks.all_reduce(backend, product)?;
+    backend.add(residual, product)
 }
 
 /// Reads Hugging Face tensors, checks each shape against the config, and uploads it.

@@ -68,6 +68,19 @@ pub struct ForwardBatch {
     pub logits_for: Vec<usize>,
 }
 
+/// What the last forward of a runner spent blocked waiting for the device, and whether it was replayed from
+/// a CUDA graph. A CPU runner computes on the calling thread and never waits: it reports the default (0,
+/// false). The stepper copies this into each step's [`crate::step::StepExecution`], so the host time of a
+/// step is `elapsed_us - device_wait_us`.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct StepTiming {
+    /// Microseconds the last forward (and its sampling) spent blocked on the device: synchronizing a
+    /// stream, waiting for a device-to-host copy of its results.
+    pub device_wait_us: u64,
+    /// Whether the last forward was replayed from a captured CUDA graph.
+    pub cuda_graph: bool,
+}
+
 /// A loaded model on a device: owns weights and the paged KV cache.
 pub trait ModelRunner: Send {
     fn config(&self) -> &ModelConfig;
@@ -93,6 +106,11 @@ pub trait ModelRunner: Send {
     /// Capture CUDA graphs for decode; false where the backend has none (the CPU).
     fn capture_decode_graphs(&mut self, _max_batch_size: usize) -> Result<bool> {
         Ok(false)
+    }
+    /// Timing of the most recent `forward` / `forward_and_sample`. The default (CPU runners) is
+    /// `StepTiming::default()`: no device wait, no graph.
+    fn last_step_timing(&self) -> StepTiming {
+        StepTiming::default()
     }
 }
 

@@ -1,5 +1,6 @@
 //! `CudaBackend`: the [`Backend`] ops on an NVIDIA GPU in bf16. Kernels come from kernels/*.cu (PTX embedded
-//! at build time); GEMMs go to our GEMV kernels for batches of up to 8 rows and to cuBLAS above that.
+//! at build time). Projections of up to 8 rows (decode) go to our GEMV kernels, which also fuse the RMSNorm
+//! before them, the residual add or the SiLU-gating after them; larger batches go to cuBLAS.
 //!
 //! Storage only grows, and once decode graphs exist a replaced allocation is kept alive (graphs hold raw
 //! pointers into it), so replaying a graph after a larger prefill stays valid.
@@ -17,24 +18,40 @@ use crate::model::loader::HostTensor;
 
 /// Largest batch the GEMV kernels can serve (one instantiation per row count).
 pub const GEMV_MAX_ROWS: usize = 8;
-/// Default largest batch sent to the GEMV kernels rather than cuBLAS (measured on the H200: GEMV wins at 1 row
-/// only, 1.54 vs 1.67 ms/step on Qwen3-0.6B; at 2-8 rows it loses); STEPLLM_GEMV_MAX_ROWS overrides it
-/// (0 = cuBLAS only), so the crossover can be measured on each GPU.
-const GEMV_DEFAULT_ROWS: usize = 1;
+/// Default largest batch sent to the GEMV kernels rather than cuBLAS; STEPLLM_GEMV_MAX_ROWS overrides it
+/// (0 = cuBLAS only), so the crossover can be measured on each GPU (benchmarks/gpu_decode.py --gemv-sweep).
+const GEMV_DEFAULT_ROWS: usize = 8;
+/// Threads of one GEMV block (kernels/gemv.cu GEMV_THREADS) and its warps.
+const GEMV_THREADS: u32 = 256;
+const GEMV_WARPS: usize = 8;
 /// Most blocks one (token, kv head) of attention is split over.
 const MAX_ATTENTION_SPLITS: usize = 16;
+
+/// What a GEMV launch does around the product (kernels/gemv.cu).
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum GemvKind {
+    /// `y = x · Wᵀ (+ bias)`
+    Plain,
+    /// `y += x · Wᵀ (+ bias)`
+    AddInto,
+    /// `y = rms_norm(x) · Wᵀ (+ bias)`
+    Norm,
+    /// `y = silu(gate) * up` of `[gate | up] = rms_norm(x) · Wᵀ`
+    NormSilu,
+}
 
 /// Kernel handles, resolved once at start.
 struct Kernels {
     embed: Func,
     rms_norm: Func,
-    add_rms_norm: Func,
     rope: Func,
     silu_mul: Func,
     add_bias: Func,
+    add_into: Func,
     select_rows: Func,
-    gemv: Vec<Func>,
-    gemv_silu: Vec<Func>,
+    argmax: Func,
+    /// One kernel per (kind, rows): `gemv[kind][rows - 1]`.
+    gemv: [Vec<Func>; 4],
     /// ((head_dim, group size), kernel)
     attention: Vec<((usize, usize), Func)>,
     pub sample: Func,
@@ -48,17 +65,24 @@ impl Kernels {
                 attention.push(((d, g), gpu.function("attention", &format!("paged_attention_d{d}_g{g}"))?));
             }
         }
-        let rows = 1..=GEMV_MAX_ROWS;
+        let gemv_family = |name: &str| -> Result<Vec<Func>> {
+            (1..=GEMV_MAX_ROWS).map(|m| gpu.function("gemv", &format!("{name}_m{m}"))).collect()
+        };
         Ok(Self {
             embed: gpu.function("embedding", "embed")?,
             rms_norm: gpu.function("norm", "rms_norm")?,
-            add_rms_norm: gpu.function("norm", "add_rms_norm")?,
             rope: gpu.function("rope", "rope_write_kv")?,
             silu_mul: gpu.function("activation", "silu_mul")?,
             add_bias: gpu.function("activation", "add_bias")?,
+            add_into: gpu.function("activation", "add_into")?,
             select_rows: gpu.function("activation", "select_rows")?,
-            gemv: rows.clone().map(|m| gpu.function("gemv", &format!("gemv_m{m}"))).collect::<Result<_>>()?,
-            gemv_silu: rows.map(|m| gpu.function("gemv", &format!("gemv_silu_m{m}"))).collect::<Result<_>>()?,
+            argmax: gpu.function("gemv", "argmax_rows")?,
+            gemv: [
+                gemv_family("gemv_plain_store")?,
+                gemv_family("gemv_plain_add")?,
+                gemv_family("gemv_norm_store")?,
+                gemv_family("gemv_norm_silu")?,
+            ],
             attention,
             sample: gpu.function("sampling", "sample_rows")?,
         })
@@ -176,6 +200,14 @@ impl CudaKvCache {
     }
 }
 
+/// Logits left on the device by a forward: bf16 `[rows, vocab]` at `ptr`, and each row's argmax key at `argmax`.
+#[derive(Debug, Clone, Copy)]
+pub struct DeviceLogits {
+    pub ptr: u64,
+    pub rows: usize,
+    pub argmax: u64,
+}
+
 /// Interior state of the backend (ops take `&self`).
 #[derive(Default)]
 pub(super) struct State {
@@ -186,11 +218,11 @@ pub(super) struct State {
     retired: Vec<DeviceBuffer>,
     attn_partial: Option<DeviceBuffer>,
     attn_counters: Option<DeviceBuffer>,
-    /// A deferred silu_mul (gate_up ptr, out ptr, rows, half): the next linear reading `out` fuses it.
-    pending_silu: Option<(u64, u64, usize, usize)>,
+    /// One u64 per logits row: its greedy token, packed as (order key << 32 | !token) by kernels/gemv.cu.
+    argmax_keys: Option<DeviceBuffer>,
     /// When set, copy_to_host leaves the logits on the device for GPU sampling and records them here.
     pub logits_on_device: bool,
-    pub last_logits: Option<(u64, usize, usize)>,
+    pub last_logits: Option<DeviceLogits>,
     staging: Vec<u32>,
 }
 
@@ -199,6 +231,8 @@ pub(super) struct Inner {
     blas: Blas,
     kernels: Kernels,
     gemv_max_rows: usize,
+    /// Dynamic shared memory a GEMV block may use (it holds the block's input rows).
+    gemv_smem: usize,
     pub state: Mutex<State>,
 }
 
@@ -218,8 +252,12 @@ impl CudaBackend {
             .and_then(|v| v.parse().ok())
             .unwrap_or(GEMV_DEFAULT_ROWS)
             .min(GEMV_MAX_ROWS);
+        let mut gemv_smem = usize::MAX;
+        for f in kernels.gemv.iter().flatten() {
+            gemv_smem = gemv_smem.min(gpu.allow_max_dynamic_shared_memory(*f)?);
+        }
         let state = Mutex::new(State::default());
-        Ok(Self { inner: Arc::new(Inner { gpu, blas, kernels, gemv_max_rows, state }) })
+        Ok(Self { inner: Arc::new(Inner { gpu, blas, kernels, gemv_max_rows, gemv_smem, state }) })
     }
 
     pub fn gpu(&self) -> &Gpu {
@@ -284,38 +322,112 @@ impl CudaBackend {
         let wanted = 2 * self.inner.gpu.sm_count / (tokens * num_kv_heads).max(1);
         let mut splits = wanted.clamp(1, MAX_ATTENTION_SPLITS);
         if let Some(ctx) = max_context {
-            splits = splits.min(ctx.div_ceil(64)).max(1);
+            splits = splits.min(ctx.div_ceil(16)).max(1);
         }
         splits
     }
 
-    /// Run a deferred silu_mul now (any op other than the linear that fuses it).
-    fn flush(&self) -> Result<()> {
-        let pending = self.state().pending_silu.take();
-        if let Some((gate_up, out, rows, half)) = pending {
-            self.launch_silu(gate_up, out, rows, half)?;
+    /// Grow the argmax keys to `rows` (never while capturing) and return their address.
+    fn argmax_keys(&self, rows: usize) -> Result<u64> {
+        let mut st = self.state();
+        if st.argmax_keys.as_ref().is_none_or(|b| b.bytes() < rows * 8) {
+            if st.capture.is_some() {
+                return Err(Error::Device("argmax buffer too small during graph capture".into()));
+            }
+            let fresh = self.inner.gpu.alloc(rows.max(64) * 8 * 2)?;
+            if let Some(old) = st.argmax_keys.replace(fresh) {
+                if st.keep_retired {
+                    st.retired.push(old);
+                }
+            }
+        }
+        Ok(st.argmax_keys.as_ref().unwrap().ptr())
+    }
+
+    /// Grow the per-row buffers ahead of graph capture for `rows` logits rows (capture cannot allocate).
+    pub(super) fn reserve_logits_rows(&self, rows: usize) -> Result<()> {
+        self.argmax_keys(rows).map(|_| ())
+    }
+
+    /// Whether an `m`-row projection with inputs `k` wide goes to a GEMV kernel (its rows fit in shared memory).
+    fn use_gemv(&self, m: usize, k: usize) -> bool {
+        (1..=self.inner.gemv_max_rows).contains(&m) && m * k * 2 <= self.inner.gemv_smem
+    }
+
+    /// Warps per output column of a GEMV: split K further while the GPU would not get 16 warps per SM and each
+    /// lane keeps at least two 16-byte loads.
+    fn gemv_split(&self, cols: usize, k: usize) -> usize {
+        let chunks = k / 8;
+        let target = 16 * self.inner.gpu.sm_count;
+        let mut wpr = 1;
+        while wpr < GEMV_WARPS && cols * wpr < target && chunks >= 64 * (2 * wpr) {
+            wpr *= 2;
+        }
+        wpr
+    }
+
+    /// One GEMV launch: `x` is `[m, weight.cols]` at `x`, the output goes to `y` (see [`GemvKind`]).
+    #[allow(clippy::too_many_arguments)]
+    fn launch_gemv(
+        &self,
+        kind: GemvKind,
+        m: usize,
+        x: u64,
+        norm: Option<(&CudaVector, f32)>,
+        weight: &CudaMatrix,
+        bias: Option<&CudaVector>,
+        y: u64,
+    ) -> Result<()> {
+        let (n, k) = (weight.rows, weight.cols);
+        let cols = if kind == GemvKind::NormSilu { n / 2 } else { n };
+        let wpr = self.gemv_split(cols, k);
+        let groups = cols.div_ceil(GEMV_WARPS / wpr);
+        // A block-stride loop covers the rest, so each block stages (and normalizes) its input only once.
+        let grid = groups.min(8 * self.inner.gpu.sm_count) as u32;
+        let (norm_ptr, eps) = norm.map_or((0, 0.0), |(v, eps)| (v.buf.ptr(), eps));
+        let args = [
+            Arg::Ptr(x),
+            Arg::Ptr(norm_ptr),
+            Arg::F32(eps),
+            Arg::Ptr(weight.buf.ptr()),
+            Arg::Ptr(bias.map_or(0, |b| b.buf.ptr())),
+            Arg::Ptr(y),
+            Arg::I32(n as i32),
+            Arg::I32(k as i32),
+            Arg::I32(wpr as i32),
+        ];
+        let f = self.inner.kernels.gemv[kind as usize][m - 1];
+        self.inner.gpu.launch_smem(f, (grid, 1, 1), GEMV_THREADS, (m * k * 2) as u32, &args)
+    }
+
+    /// `y = x · Wᵀ (+ y when accumulate)` on cuBLAS, then the bias (an accumulating call adds it via `product`).
+    fn cublas_linear(&self, x: &CudaTensor, weight: &CudaMatrix, bias: Option<&CudaVector>, out: &mut CudaTensor) -> Result<()> {
+        let (m, n, k) = (x.rows, weight.rows, weight.cols);
+        self.ensure(out, m, n)?;
+        if m == 0 {
+            return Ok(());
+        }
+        self.inner.blas.gemm_bf16(x.ptr(), weight.buf.ptr(), out.ptr(), m, n, k, false)?;
+        if let Some(bias) = bias {
+            let grid = (m * n).div_ceil(256).clamp(1, 4 * self.inner.gpu.sm_count) as u32;
+            let args = [Arg::Ptr(out.ptr()), Arg::Ptr(bias.buf.ptr()), Arg::I32(m as i32), Arg::I32(n as i32)];
+            self.inner.gpu.launch(self.inner.kernels.add_bias, (grid, 1, 1), 256, &args)?;
         }
         Ok(())
     }
 
-    fn launch_silu(&self, gate_up: u64, out: u64, rows: usize, half: usize) -> Result<()> {
-        let vecs = rows * half / 8;
-        let grid = vecs.div_ceil(256).clamp(1, 4 * self.inner.gpu.sm_count) as u32;
-        let args = [Arg::Ptr(gate_up), Arg::Ptr(out), Arg::I32(rows as i32), Arg::I32(half as i32)];
-        self.inner.gpu.launch(self.inner.kernels.silu_mul, (grid, 1, 1), 256, &args)
+    fn check_linear(x: &CudaTensor, weight: &CudaMatrix) -> Result<()> {
+        if x.cols != weight.cols {
+            return internal(format!("linear: input width {} but weight width {}", x.cols, weight.cols));
+        }
+        Ok(())
     }
 
-    /// Warps per output row for the GEMV: enough split-K to fill the GPU, at least two 16-byte loads per lane.
-    fn gemv_split(&self, n: usize, k: usize) -> usize {
-        let chunks = k / 8;
-        let mut wpr = 1;
-        while wpr < 8 && chunks / (32 * wpr * 2) >= 2 {
-            wpr *= 2;
+    fn check_norm(x: &CudaTensor, norm: &CudaVector) -> Result<()> {
+        if x.cols != norm.len {
+            return internal(format!("rms_norm: input width {} but weight width {}", x.cols, norm.len));
         }
-        while wpr < 8 && n / (8 / wpr) < 2 * self.inner.gpu.sm_count && chunks >= 32 * wpr * 2 {
-            wpr *= 2;
-        }
-        wpr
+        Ok(())
     }
 
     fn block_for(cols: usize) -> u32 {
@@ -387,7 +499,6 @@ impl Backend for CudaBackend {
 
     fn upload_batch(&self, plan: &BatchPlan, batch: &mut CudaBatch) -> Result<()> {
         self.inner.gpu.bind()?;
-        self.flush()?;
         batch.n_tokens = plan.num_tokens();
         batch.n_logits = plan.logits_rows.len();
         let capture = self.state().capture;
@@ -419,7 +530,6 @@ impl Backend for CudaBackend {
     }
 
     fn embed(&self, table: &CudaMatrix, batch: &CudaBatch, out: &mut CudaTensor) -> Result<()> {
-        self.flush()?;
         self.ensure(out, batch.n_tokens, table.cols)?;
         let args = [
             Arg::Ptr(table.buf.ptr()),
@@ -431,89 +541,110 @@ impl Backend for CudaBackend {
     }
 
     fn rms_norm(&self, x: &CudaTensor, weight: &CudaVector, eps: f32, out: &mut CudaTensor) -> Result<()> {
-        self.flush()?;
         if x.cols != weight.len {
             return internal(format!("rms_norm: input width {} but weight width {}", x.cols, weight.len));
         }
         self.ensure(out, x.rows, x.cols)?;
+        if x.rows == 0 {
+            return Ok(());
+        }
         let args = [Arg::Ptr(x.ptr()), Arg::Ptr(weight.buf.ptr()), Arg::F32(eps), Arg::Ptr(out.ptr()), Arg::I32(x.cols as i32)];
         self.inner.gpu.launch(self.inner.kernels.rms_norm, (x.rows as u32, 1, 1), Self::block_for(x.cols), &args)
     }
 
-    fn add_rms_norm(
-        &self,
-        residual: &mut CudaTensor,
-        delta: &CudaTensor,
-        weight: &CudaVector,
-        eps: f32,
-        out: &mut CudaTensor,
-    ) -> Result<()> {
-        self.flush()?;
-        if (residual.rows, residual.cols) != (delta.rows, delta.cols) || residual.cols != weight.len {
-            return internal(format!(
-                "add_rms_norm: residual [{}, {}], delta [{}, {}], weight {}",
-                residual.rows, residual.cols, delta.rows, delta.cols, weight.len
-            ));
+    fn add(&self, x: &mut CudaTensor, delta: &CudaTensor) -> Result<()> {
+        if (x.rows, x.cols) != (delta.rows, delta.cols) {
+            return internal(format!("add: shapes [{}, {}] and [{}, {}] differ", x.rows, x.cols, delta.rows, delta.cols));
         }
-        self.ensure(out, residual.rows, residual.cols)?;
-        let args = [
-            Arg::Ptr(residual.ptr()),
-            Arg::Ptr(delta.ptr()),
-            Arg::Ptr(weight.buf.ptr()),
-            Arg::F32(eps),
-            Arg::Ptr(out.ptr()),
-            Arg::I32(residual.cols as i32),
-        ];
-        let block = Self::block_for(residual.cols);
-        self.inner.gpu.launch(self.inner.kernels.add_rms_norm, (residual.rows as u32, 1, 1), block, &args)
+        let n = x.rows * x.cols;
+        if n == 0 {
+            return Ok(());
+        }
+        let grid = n.div_ceil(256).clamp(1, 4 * self.inner.gpu.sm_count) as u32;
+        let args = [Arg::Ptr(x.ptr()), Arg::Ptr(delta.ptr()), Arg::I32(n as i32)];
+        self.inner.gpu.launch(self.inner.kernels.add_into, (grid, 1, 1), 256, &args)
     }
 
     fn linear(&self, x: &CudaTensor, weight: &CudaMatrix, bias: Option<&CudaVector>, out: &mut CudaTensor) -> Result<()> {
-        let pending = {
-            let mut st = self.state();
-            match st.pending_silu {
-                Some(p) if p.1 == x.ptr() => st.pending_silu.take(),
-                _ => None,
-            }
-        };
-        self.flush()?;
-        if x.cols != weight.cols {
-            return internal(format!("linear: input width {} but weight width {}", x.cols, weight.cols));
+        Self::check_linear(x, weight)?;
+        if !self.use_gemv(x.rows, weight.cols) {
+            return self.cublas_linear(x, weight, bias, out);
         }
-        let (m, n, k) = (x.rows, weight.rows, weight.cols);
-        self.ensure(out, m, n)?;
-        let bias_ptr = bias.map_or(0, |b| b.buf.ptr());
-        if (1..=self.inner.gemv_max_rows).contains(&m) {
-            let (f, input) = match pending {
-                Some((gate_up, ..)) => (self.inner.kernels.gemv_silu[m - 1], gate_up),
-                None => (self.inner.kernels.gemv[m - 1], x.ptr()),
-            };
-            let wpr = self.gemv_split(n, k);
-            let grid = n.div_ceil(8 / wpr) as u32;
-            let args = [
-                Arg::Ptr(input),
-                Arg::Ptr(weight.buf.ptr()),
-                Arg::Ptr(bias_ptr),
-                Arg::Ptr(out.ptr()),
-                Arg::I32(n as i32),
-                Arg::I32(k as i32),
-                Arg::I32(wpr as i32),
-            ];
-            return self.inner.gpu.launch(f, (grid, 1, 1), 256, &args);
+        self.ensure(out, x.rows, weight.rows)?;
+        self.launch_gemv(GemvKind::Plain, x.rows, x.ptr(), None, weight, bias, out.ptr())
+    }
+
+    fn norm_linear(
+        &self,
+        x: &CudaTensor,
+        norm: &CudaVector,
+        eps: f32,
+        weight: &CudaMatrix,
+        bias: Option<&CudaVector>,
+        normed: &mut CudaTensor,
+        out: &mut CudaTensor,
+    ) -> Result<()> {
+        Self::check_norm(x, norm)?;
+        Self::check_linear(x, weight)?;
+        if !self.use_gemv(x.rows, weight.cols) {
+            self.rms_norm(x, norm, eps, normed)?;
+            return self.cublas_linear(normed, weight, bias, out);
         }
-        if let Some((gate_up, act, rows, half)) = pending {
-            self.launch_silu(gate_up, act, rows, half)?;
+        self.ensure(out, x.rows, weight.rows)?;
+        self.launch_gemv(GemvKind::Norm, x.rows, x.ptr(), Some((norm, eps)), weight, bias, out.ptr())
+    }
+
+    fn norm_linear_silu(
+        &self,
+        x: &CudaTensor,
+        norm: &CudaVector,
+        eps: f32,
+        gate_up: &CudaMatrix,
+        normed: &mut CudaTensor,
+        product: &mut CudaTensor,
+        out: &mut CudaTensor,
+    ) -> Result<()> {
+        Self::check_norm(x, norm)?;
+        Self::check_linear(x, gate_up)?;
+        if gate_up.rows % 16 != 0 {
+            return internal(format!("gate_up wants [gate | up] halves of 8k rows, got {} rows", gate_up.rows));
         }
-        if m == 0 {
+        if !self.use_gemv(x.rows, gate_up.cols) {
+            self.rms_norm(x, norm, eps, normed)?;
+            self.cublas_linear(normed, gate_up, None, product)?;
+            return self.silu_mul(product, out);
+        }
+        self.ensure(out, x.rows, gate_up.rows / 2)?;
+        self.launch_gemv(GemvKind::NormSilu, x.rows, x.ptr(), Some((norm, eps)), gate_up, None, out.ptr())
+    }
+
+    fn linear_add(
+        &self,
+        x: &CudaTensor,
+        weight: &CudaMatrix,
+        bias: Option<&CudaVector>,
+        product: &mut CudaTensor,
+        residual: &mut CudaTensor,
+    ) -> Result<()> {
+        Self::check_linear(x, weight)?;
+        if (residual.rows, residual.cols) != (x.rows, weight.rows) {
+            return internal(format!(
+                "linear_add: residual [{}, {}] for a [{}, {}] product",
+                residual.rows, residual.cols, x.rows, weight.rows
+            ));
+        }
+        if self.use_gemv(x.rows, weight.cols) {
+            return self.launch_gemv(GemvKind::AddInto, x.rows, x.ptr(), None, weight, bias, residual.ptr());
+        }
+        if bias.is_some() {
+            self.cublas_linear(x, weight, bias, product)?;
+            return self.add(residual, product);
+        }
+        if x.rows == 0 {
             return Ok(());
         }
-        self.inner.blas.gemm_bf16(x.ptr(), weight.buf.ptr(), out.ptr(), m, n, k)?;
-        if bias.is_some() {
-            let grid = (m * n).div_ceil(256).clamp(1, 4 * self.inner.gpu.sm_count) as u32;
-            let args = [Arg::Ptr(out.ptr()), Arg::Ptr(bias_ptr), Arg::I32(m as i32), Arg::I32(n as i32)];
-            self.inner.gpu.launch(self.inner.kernels.add_bias, (grid, 1, 1), 256, &args)?;
-        }
-        Ok(())
+        // cuBLAS adds into the residual itself (beta = 1): one rounding instead of transformers' two.
+        self.inner.blas.gemm_bf16(x.ptr(), weight.buf.ptr(), residual.ptr(), x.rows, weight.rows, weight.cols, true)
     }
 
     fn rope_and_write_kv(
@@ -525,7 +656,6 @@ impl Backend for CudaBackend {
         cache: &mut CudaKvCache,
         layer: usize,
     ) -> Result<()> {
-        self.flush()?;
         check_attention(qkv, shape, batch, cache, layer)?;
         if shape.head_dim > 256 || shape.head_dim % 2 != 0 {
             return Err(Error::Device(format!("the CUDA RoPE kernel supports even head_dim <= 256, not {}", shape.head_dim)));
@@ -560,7 +690,6 @@ impl Backend for CudaBackend {
         layer: usize,
         out: &mut CudaTensor,
     ) -> Result<()> {
-        self.flush()?;
         check_attention(qkv, shape, batch, cache, layer)?;
         let key = (shape.head_dim, shape.group_size());
         let Some(&(_, f)) = self.inner.kernels.attention.iter().find(|(k, _)| *k == key) else {
@@ -593,22 +722,18 @@ impl Backend for CudaBackend {
     }
 
     fn silu_mul(&self, gate_up: &CudaTensor, out: &mut CudaTensor) -> Result<()> {
-        self.flush()?;
         if gate_up.cols % 16 != 0 {
             return internal(format!("silu_mul wants [gate | up] rows with halves of 8k, got width {}", gate_up.cols));
         }
         let half = gate_up.cols / 2;
         self.ensure(out, gate_up.rows, half)?;
-        if gate_up.rows <= self.inner.gemv_max_rows {
-            // Deferred: the down projection's GEMV computes silu(gate) * up as it reads its input.
-            self.state().pending_silu = Some((gate_up.ptr(), out.ptr(), gate_up.rows, half));
-            return Ok(());
-        }
-        self.launch_silu(gate_up.ptr(), out.ptr(), gate_up.rows, half)
+        let vecs = gate_up.rows * half / 8;
+        let grid = vecs.div_ceil(256).clamp(1, 4 * self.inner.gpu.sm_count) as u32;
+        let args = [Arg::Ptr(gate_up.ptr()), Arg::Ptr(out.ptr()), Arg::I32(gate_up.rows as i32), Arg::I32(half as i32)];
+        self.inner.gpu.launch(self.inner.kernels.silu_mul, (grid, 1, 1), 256, &args)
     }
 
     fn select_logits_rows(&self, x: &CudaTensor, batch: &CudaBatch, out: &mut CudaTensor) -> Result<()> {
-        self.flush()?;
         self.ensure(out, batch.n_logits, x.cols)?;
         if batch.n_logits == 0 {
             return Ok(());
@@ -618,14 +743,25 @@ impl Backend for CudaBackend {
     }
 
     fn copy_to_host(&self, x: &CudaTensor, out: &mut Vec<f32>) -> Result<()> {
-        self.flush()?;
         out.clear();
-        {
-            let mut st = self.state();
-            if st.capture.is_some() || st.logits_on_device {
-                st.last_logits = Some((x.ptr(), x.rows, x.cols));
-                return Ok(());
+        let on_device = {
+            let st = self.state();
+            st.capture.is_some() || st.logits_on_device
+        };
+        if on_device {
+            // Logits stay for GPU sampling; the greedy token of every row is found here, inside a decode graph.
+            let keys = self.argmax_keys(x.rows)?;
+            if x.rows > 0 {
+                if x.cols % 8 != 0 {
+                    return Err(Error::Device(format!("the CUDA argmax needs a vocabulary that is a multiple of 8, not {}", x.cols)));
+                }
+                self.inner.gpu.zero_async(keys, x.rows * 8)?;
+                let per_row = (x.cols / 8).div_ceil(256 * 8).clamp(1, 64) as u32;
+                let args = [Arg::Ptr(x.ptr()), Arg::I32(x.cols as i32), Arg::Ptr(keys)];
+                self.inner.gpu.launch(self.inner.kernels.argmax, (x.rows as u32, per_row, 1), 256, &args)?;
             }
+            self.state().last_logits = Some(DeviceLogits { ptr: x.ptr(), rows: x.rows, argmax: keys });
+            return Ok(());
         }
         let mut host = vec![bf16::ZERO; x.rows * x.cols];
         self.inner.gpu.download(&mut host, x.ptr())?;

@@ -43,10 +43,11 @@ impl Blas {
         Ok(Self { handle, _workspace: workspace })
     }
 
-    /// Row-major `y[m, n] = x[m, k] · w[n, k]ᵀ`, all bf16. In cuBLAS's column-major terms that is
-    /// `yᵀ = w · xᵀ` with `w` read transposed.
-    pub fn gemm_bf16(&self, x: u64, w: u64, y: u64, m: usize, n: usize, k: usize) -> Result<()> {
-        let (alpha, beta) = (1.0f32, 0.0f32);
+    /// Row-major `y[m, n] = x[m, k] · w[n, k]ᵀ (+ y when accumulate)`, all bf16 with f32 accumulation. In
+    /// cuBLAS's column-major terms that is `yᵀ = w · xᵀ (+ yᵀ)` with `w` read transposed.
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemm_bf16(&self, x: u64, w: u64, y: u64, m: usize, n: usize, k: usize, accumulate: bool) -> Result<()> {
+        let (alpha, beta) = (1.0f32, if accumulate { 1.0f32 } else { 0.0f32 });
         // SAFETY: pointers are device buffers sized [m,k], [n,k], [m,n] by the caller.
         unsafe {
             result::gemm_ex(

@@ -120,6 +120,11 @@ impl Gpu {
 
     /// Launch `f` on the stream with a 1-D block.
     pub fn launch(&self, f: Func, grid: (u32, u32, u32), block: u32, args: &[Arg]) -> Result<()> {
+        self.launch_smem(f, grid, block, 0, args)
+    }
+
+    /// [`Gpu::launch`] with `smem` bytes of dynamic shared memory.
+    pub fn launch_smem(&self, f: Func, grid: (u32, u32, u32), block: u32, smem: u32, args: &[Arg]) -> Result<()> {
         const MAX_ARGS: usize = 24;
         assert!(args.len() <= MAX_ARGS, "kernel launch with more than {MAX_ARGS} arguments");
         let mut slots = [0u64; MAX_ARGS];
@@ -131,8 +136,38 @@ impl Gpu {
             *p = &mut slots[i] as *mut u64 as *mut c_void;
         }
         // SAFETY: the argument slots outlive the call (the driver copies them at launch).
-        unsafe { result::launch_kernel(f.0, grid, (block, 1, 1), 0, self.cu_stream(), &mut ptrs[..args.len()]) }
+        unsafe { result::launch_kernel(f.0, grid, (block, 1, 1), smem, self.cu_stream(), &mut ptrs[..args.len()]) }
             .map_err(|e| device_err("kernel launch", e))
+    }
+
+    /// Most dynamic shared memory one block may opt in to on this device.
+    pub fn max_shared_memory_optin(&self) -> Result<usize> {
+        let bytes = self
+            .ctx
+            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+            .map_err(|e| device_err("reading the shared memory limit", e))?;
+        Ok(bytes as usize)
+    }
+
+    /// Let `f` use as much dynamic shared memory as the device allows next to its static shared memory (above
+    /// 48 KiB a kernel must opt in); returns that many bytes.
+    pub fn allow_max_dynamic_shared_memory(&self, f: Func) -> Result<usize> {
+        let optin = self.max_shared_memory_optin()?;
+        // SAFETY: a valid function handle of a loaded module.
+        let fixed = unsafe { result::function::get_function_attribute(f.0, sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES) }
+            .map_err(|e| device_err("cuFuncGetAttribute (static shared memory)", e))? as usize;
+        let bytes = optin.saturating_sub(fixed);
+        let attribute = sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
+        // SAFETY: as above.
+        unsafe { result::function::set_function_attribute(f.0, attribute, bytes as i32) }
+            .map_err(|e| device_err(&format!("cuFuncSetAttribute ({bytes} bytes of dynamic shared memory)"), e))?;
+        Ok(bytes)
+    }
+
+    /// Zero `bytes` at `ptr`, ordered on the stream (and recorded as a memset node while capturing).
+    pub fn zero_async(&self, ptr: u64, bytes: usize) -> Result<()> {
+        // SAFETY: callers pass a range inside one of their allocations.
+        unsafe { result::memset_d8_async(ptr, 0, bytes, self.cu_stream()) }.map_err(|e| device_err("cuMemsetD8Async", e))
     }
 
     pub fn synchronize(&self) -> Result<()> {

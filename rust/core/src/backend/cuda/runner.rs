@@ -10,13 +10,13 @@ use std::time::Instant;
 
 use cudarc::driver::{sys, CudaGraph};
 
-use super::backend::{CudaBackend, MetaLayout};
+use super::backend::{CudaBackend, DeviceLogits, MetaLayout};
 use super::device::{DeviceBuffer, PinnedBuffer};
 use super::sampler::Sampler;
 use crate::backend::{AttentionShape, BatchPlan};
 use crate::error::{protocol, Error, Result};
 use crate::model::llama::LlamaModel;
-use crate::model::{ForwardBatch, ModelConfig, ModelRunner, SeqSlice};
+use crate::model::{ForwardBatch, ModelConfig, ModelRunner, SeqSlice, StepTiming};
 use crate::sampling::{RowContext, Sampled};
 
 /// Graph buckets past 8 step by this much up to 64, then by twice as much.
@@ -29,8 +29,8 @@ struct Graph(CudaGraph);
 unsafe impl Send for Graph {}
 
 struct DecodeGraphs {
-    /// (batch size, graph, device address of its logits)
-    buckets: Vec<(usize, Graph, u64)>,
+    /// (batch size, graph, where it leaves its logits)
+    buckets: Vec<(usize, Graph, DeviceLogits)>,
     layout: MetaLayout,
     meta: DeviceBuffer,
     staging: PinnedBuffer<u32>,
@@ -44,6 +44,10 @@ pub struct CudaRunner {
     graphs: Option<DecodeGraphs>,
     /// (num_blocks, block_size) of the allocated KV cache.
     kv: Option<(usize, usize)>,
+    /// Whether the last forward was a graph replay.
+    last_replayed: bool,
+    /// Microseconds the last forward spent blocked on the device.
+    last_wait_us: u64,
 }
 
 /// 1, 2, 4, 8, then steps up to `max`.
@@ -61,7 +65,7 @@ pub fn decode_buckets(max: usize) -> Vec<usize> {
 
 impl CudaRunner {
     pub fn new(model: LlamaModel<CudaBackend>, backend: CudaBackend) -> Self {
-        Self { model, backend, sampler: Sampler::default(), graphs: None, kv: None }
+        Self { model, backend, sampler: Sampler::default(), graphs: None, kv: None, last_replayed: false, last_wait_us: 0 }
     }
 
     fn attention_shape(config: &ModelConfig) -> AttentionShape {
@@ -74,10 +78,12 @@ impl CudaRunner {
         }
     }
 
-    /// Forward on the device, leaving the logits there; returns their address (None for an empty batch).
-    fn forward_on_device(&mut self, batch: &ForwardBatch) -> Result<Option<u64>> {
-        if let Some(ptr) = self.try_replay(batch)? {
-            return Ok(Some(ptr));
+    /// Forward on the device, leaving the logits there (None for an empty batch).
+    fn forward_on_device(&mut self, batch: &ForwardBatch) -> Result<Option<DeviceLogits>> {
+        self.last_replayed = false;
+        if let Some(logits) = self.try_replay(batch)? {
+            self.last_replayed = true;
+            return Ok(Some(logits));
         }
         self.backend.state().logits_on_device = true;
         let result = self.model.forward(batch);
@@ -87,11 +93,11 @@ impl CudaRunner {
             st.last_logits.take()
         };
         result?;
-        Ok(last.map(|(ptr, ..)| ptr))
+        Ok(last)
     }
 
     /// Replay the bucket's graph when `batch` is a plain decode step that one can serve.
-    fn try_replay(&mut self, batch: &ForwardBatch) -> Result<Option<u64>> {
+    fn try_replay(&mut self, batch: &ForwardBatch) -> Result<Option<DeviceLogits>> {
         let (Some(graphs), Some((num_blocks, block_size))) = (self.graphs.as_mut(), self.kv) else {
             return Ok(None);
         };
@@ -101,7 +107,7 @@ impl CudaRunner {
             && batch.logits_for.iter().enumerate().all(|(i, &r)| i == r)
             && batch.logits_for.len() == n
             && batch.seqs.iter().all(|s| s.len == 1);
-        let Some(&(bucket, ref graph, logits)) = graphs.buckets.iter().find(|(b, ..)| *b >= n) else {
+        let Some(&(bucket, ref graph, mut logits)) = graphs.buckets.iter().find(|(b, ..)| *b >= n) else {
             return Ok(None);
         };
         if !decode {
@@ -131,6 +137,7 @@ impl CudaRunner {
         gpu.bind()?;
         gpu.upload(graphs.meta.ptr(), &graphs.staging.as_slice()[..words])?;
         graph.0.launch().map_err(|e| Error::Device(format!("CUDA graph launch (batch {bucket}): {e:?}")))?;
+        logits.rows = n; // the padding rows' logits are there too, but nobody samples them
         Ok(Some(logits))
     }
 
@@ -148,6 +155,7 @@ impl CudaRunner {
         let meta = gpu.alloc(layout.total * 4)?;
         let staging = PinnedBuffer::new(gpu, layout.total)?;
         self.backend.reserve_attention(largest, &Self::attention_shape(self.model.config()))?;
+        self.backend.reserve_logits_rows(largest)?;
         gpu.synchronize()?;
         {
             let mut st = self.backend.state();
@@ -170,7 +178,7 @@ impl CudaRunner {
         Ok(DecodeGraphs { buckets: captured, layout, meta, staging, table_cap })
     }
 
-    fn capture_one(&mut self, b: usize, block_size: usize) -> Result<(usize, Graph, u64)> {
+    fn capture_one(&mut self, b: usize, block_size: usize) -> Result<(usize, Graph, DeviceLogits)> {
         let dummy = ForwardBatch {
             tokens: vec![0; b],
             positions: (0..b).map(|i| (i % block_size) as u32).collect(),
@@ -190,7 +198,7 @@ impl CudaRunner {
             .map_err(|e| Error::Device(format!("graph capture of batch {b}: {e:?}")))?
             .ok_or_else(|| Error::Device(format!("graph capture of batch {b} recorded nothing")))?;
         graph.upload().map_err(|e| Error::Device(format!("cuGraphUpload: {e:?}")))?;
-        let logits = self.backend.state().last_logits.take().map(|(p, ..)| p).unwrap_or(0);
+        let logits = self.backend.state().last_logits.take().ok_or_else(|| Error::Device(format!("graph of batch {b} left no logits")))?;
         Ok((b, Graph(graph), logits))
     }
 }
@@ -210,7 +218,12 @@ impl ModelRunner for CudaRunner {
 
     fn forward(&mut self, batch: &ForwardBatch) -> Result<Vec<f32>> {
         self.backend.gpu().bind()?;
-        self.model.forward(batch)
+        self.last_replayed = false;
+        // Launches and the wait for the logits are not told apart here: the whole call counts as device wait.
+        let started = Instant::now();
+        let logits = self.model.forward(batch);
+        self.last_wait_us = started.elapsed().as_micros() as u64;
+        logits
     }
 
     fn forward_and_sample(&mut self, batch: &ForwardBatch, rows: &[RowContext]) -> Result<Vec<Sampled>> {
@@ -218,11 +231,18 @@ impl ModelRunner for CudaRunner {
             return protocol(format!("{} sampling rows for {} logits rows", rows.len(), batch.logits_for.len()));
         }
         self.backend.gpu().bind()?;
+        self.last_wait_us = 0;
         let Some(logits) = self.forward_on_device(batch)? else {
             return Ok(Vec::new());
         };
         let vocab = self.model.config().vocab_size;
-        self.sampler.sample(&self.backend, logits, vocab, rows)
+        let sampled = self.sampler.sample(&self.backend, logits, vocab, rows);
+        self.last_wait_us = self.sampler.last_wait_us;
+        sampled
+    }
+
+    fn last_step_timing(&self) -> StepTiming {
+        StepTiming { device_wait_us: self.last_wait_us, cuda_graph: self.last_replayed }
     }
 
     fn device_description(&self) -> String {

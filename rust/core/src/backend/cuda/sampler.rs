@@ -1,10 +1,14 @@
 //! Host side of GPU sampling (kernels/sampling.cu): packs every row's parameters, penalty token ids and
 //! logit biases into one buffer, copies it in one transfer, launches one block per row, and copies back only
-//! the chosen tokens. Logprobs, when a row asks for them, are computed on the host from that row's raw logits.
+//! the chosen tokens. A step whose rows are all plain greedy skips that: the forward already left each row's
+//! argmax on the device (kernels/gemv.cu argmax_rows), so only those are copied back. Logprobs, when a row
+//! asks for them, are computed on the host from that row's raw logits.
 
 use half::bf16;
 
-use super::backend::CudaBackend;
+use std::time::Instant;
+
+use super::backend::{CudaBackend, DeviceLogits};
 use super::device::{Arg, DeviceBuffer, PinnedBuffer};
 use crate::error::Result;
 use crate::sampling::{seeded_uniform, RowContext, Sampled};
@@ -24,6 +28,19 @@ pub struct Sampler {
     out: Option<PinnedBuffer<u32>>,
     /// Where the bias pairs start in `host`.
     bias_offset: usize,
+    keys: Option<PinnedBuffer<u64>>,
+    /// Microseconds the last `sample` spent blocked on the device (waiting for the forward and the sampler).
+    pub last_wait_us: u64,
+}
+
+/// A row that takes the plain argmax of its logits: greedy, with nothing that changes the logits first.
+fn plain_greedy(ctx: &RowContext) -> bool {
+    let p = ctx.params;
+    (p.is_greedy() || p.temperature < MIN_TEMPERATURE)
+        && p.logit_bias.is_empty()
+        && p.repetition_penalty == 1.0
+        && p.presence_penalty == 0.0
+        && p.frequency_penalty == 0.0
 }
 
 fn grow(backend: &CudaBackend, slot: &mut Option<DeviceBuffer>, bytes: usize) -> Result<u64> {
@@ -35,12 +52,47 @@ fn grow(backend: &CudaBackend, slot: &mut Option<DeviceBuffer>, bytes: usize) ->
 }
 
 impl Sampler {
-    /// Sample one token per row from bf16 logits `[rows.len(), vocab]` at device address `logits`.
-    pub fn sample(&mut self, backend: &CudaBackend, logits: u64, vocab: usize, rows: &[RowContext]) -> Result<Vec<Sampled>> {
+    /// Sample one token per row from bf16 logits `[rows.len(), vocab]` on the device.
+    pub fn sample(&mut self, backend: &CudaBackend, logits: DeviceLogits, vocab: usize, rows: &[RowContext]) -> Result<Vec<Sampled>> {
         let n = rows.len();
+        self.last_wait_us = 0;
         if n == 0 {
             return Ok(Vec::new());
         }
+        let tokens = if rows.iter().all(plain_greedy) { self.argmax_tokens(backend, logits.argmax, n)? } else { self.draw(backend, logits.ptr, vocab, rows)? };
+        let gpu = backend.gpu();
+        let mut sampled = Vec::with_capacity(n);
+        for (i, ctx) in rows.iter().enumerate() {
+            let logprob = match ctx.params.logprobs {
+                Some(top) => {
+                    let mut raw = vec![bf16::ZERO; vocab];
+                    gpu.download(&mut raw, logits.ptr + (i * vocab * 2) as u64)?;
+                    let raw: Vec<f32> = raw.iter().map(|v| v.to_f32()).collect();
+                    Some(crate::sampling::token_logprob(&raw, tokens[i], top))
+                }
+                None => None,
+            };
+            sampled.push(Sampled { token_id: tokens[i], logprob });
+        }
+        Ok(sampled)
+    }
+
+    /// The argmax the forward computed for each of `n` rows (keys at device address `keys`).
+    fn argmax_tokens(&mut self, backend: &CudaBackend, keys: u64, n: usize) -> Result<Vec<u32>> {
+        if self.keys.as_ref().is_none_or(|k| k.len() < n) {
+            self.keys = None;
+            self.keys = Some(PinnedBuffer::new(backend.gpu(), n * 2)?);
+        }
+        let host = self.keys.as_mut().unwrap();
+        let waited = Instant::now();
+        backend.gpu().download(&mut host.as_mut_slice()[..n], keys)?;
+        self.last_wait_us = waited.elapsed().as_micros() as u64;
+        Ok(host.as_slice()[..n].iter().map(|k| u32::MAX - (*k as u32)).collect())
+    }
+
+    /// Run the sampling kernel over every row; returns the drawn tokens.
+    fn draw(&mut self, backend: &CudaBackend, logits: u64, vocab: usize, rows: &[RowContext]) -> Result<Vec<u32>> {
+        let n = rows.len();
         self.pack(rows);
         let gpu = backend.gpu();
         let words = self.host.len();
@@ -73,22 +125,10 @@ impl Sampler {
         ];
         gpu.launch(backend.sample_kernel(), (n as u32, 1, 1), 1024, &args)?;
         let out = self.out.as_mut().unwrap();
+        let waited = Instant::now();
         gpu.download(&mut out.as_mut_slice()[..n], out_dev)?;
-        let tokens = &out.as_slice()[..n];
-        let mut sampled = Vec::with_capacity(n);
-        for (i, ctx) in rows.iter().enumerate() {
-            let logprob = match ctx.params.logprobs {
-                Some(top) => {
-                    let mut raw = vec![bf16::ZERO; vocab];
-                    gpu.download(&mut raw, logits + (i * vocab * 2) as u64)?;
-                    let raw: Vec<f32> = raw.iter().map(|v| v.to_f32()).collect();
-                    Some(crate::sampling::token_logprob(&raw, tokens[i], top))
-                }
-                None => None,
-            };
-            sampled.push(Sampled { token_id: tokens[i], logprob });
-        }
-        Ok(sampled)
+        self.last_wait_us = waited.elapsed().as_micros() as u64;
+        Ok(out.as_slice()[..n].to_vec())
     }
 
     /// Lay out [params (16 words a row) | ids | bias pairs] in `self.host`.

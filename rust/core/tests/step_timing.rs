@@ -1,0 +1,163 @@
+//! StepExecution's device timing: the stepper copies each forward's `ModelRunner::last_step_timing` into the
+//! step it commits (CPU runners report none), caps the wait at the step's elapsed time, and reports nothing for
+//! a step that ran no forward.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use stepllm_core::coordinator::RuntimeCoordinator;
+use stepllm_core::model::{load_model, Device, ForwardBatch, LoadedModel, ModelConfig, ModelRunner, StepTiming};
+use stepllm_core::sampling::{RowContext, Sampled};
+use stepllm_core::step::{AdmissionStatus, ImmutableDecodeBatch, ImmutablePrefillBatch, StepExecution, StepResult};
+use stepllm_core::stepped::SteppedExecution;
+
+fn check_cpu(step: &StepResult) {
+    let e = step.execution;
+    assert_eq!(e.device_wait_us, 0, "a CPU runner never waits on a device: {e:?}");
+    assert!(e.device_wait_us <= e.elapsed_us, "{e:?}");
+    assert!(!e.cuda_graph, "{e:?}");
+}
+
+#[test]
+fn cpu_steps_report_no_device_wait() {
+    let coord = coordinator("llama");
+    let prompt: Vec<u32> = (0..9).map(|i| (i * 11 + 5) % 300).collect();
+    let mut stepped = coord.begin_stepped(greedy_ids(&prompt, 4), 1, 0).unwrap();
+    let founder = stepped.residents().unwrap()[0];
+    let first = stepped.prefill(&ImmutablePrefillBatch { target: founder }).unwrap();
+    check_cpu(&first);
+    while !stepped.residents().unwrap().is_empty() {
+        let step = stepped.decode(&ImmutableDecodeBatch { residents: stepped.residents().unwrap() }).unwrap();
+        assert_eq!(step.execution.rows, 1);
+        check_cpu(&step);
+    }
+    stepped.finish().unwrap();
+}
+
+/// A CPU runner that pretends to wait on a device: each forward sleeps `wait` and reports it, as replayed from
+/// a graph when every sequence decodes one token (as the CUDA runner does for decode).
+struct PretendDevice {
+    inner: Box<dyn ModelRunner>,
+    wait_us: u64,
+    last: StepTiming,
+}
+
+impl PretendDevice {
+    fn time(&mut self, batch: &ForwardBatch) {
+        std::thread::sleep(Duration::from_micros(self.wait_us));
+        self.last = StepTiming { device_wait_us: self.wait_us, cuda_graph: batch.seqs.iter().all(|s| s.len == 1) };
+    }
+}
+
+impl ModelRunner for PretendDevice {
+    fn config(&self) -> &ModelConfig {
+        self.inner.config()
+    }
+    fn allocate_kv_cache(&mut self, num_blocks: usize, block_size: usize) -> stepllm_core::error::Result<()> {
+        self.inner.allocate_kv_cache(num_blocks, block_size)
+    }
+    fn forward(&mut self, batch: &ForwardBatch) -> stepllm_core::error::Result<Vec<f32>> {
+        self.time(batch);
+        self.inner.forward(batch)
+    }
+    fn forward_and_sample(&mut self, batch: &ForwardBatch, rows: &[RowContext]) -> stepllm_core::error::Result<Vec<Sampled>> {
+        self.time(batch);
+        self.inner.forward_and_sample(batch, rows)
+    }
+    fn device_description(&self) -> String {
+        "pretend device".into()
+    }
+    fn parameter_count(&self) -> usize {
+        self.inner.parameter_count()
+    }
+    fn last_step_timing(&self) -> StepTiming {
+        self.last
+    }
+}
+
+/// The llama fixture on the CPU with its runner wrapped by `wrap`.
+fn wrapped_coordinator(wrap: impl FnOnce(Box<dyn ModelRunner>) -> Box<dyn ModelRunner>) -> RuntimeCoordinator {
+    let LoadedModel { config, runner, tokenizer, chat_template, source } =
+        load_model(&fixture_dir("llama"), Device::Cpu, None, None).unwrap();
+    let loaded = LoadedModel { config, runner: wrap(runner), tokenizer, chat_template, source };
+    RuntimeCoordinator::from_loaded(loaded, &small_config("llama", 4, 1024, 4)).unwrap()
+}
+
+fn pretend_coordinator(wait_us: u64) -> RuntimeCoordinator {
+    wrapped_coordinator(|inner| Box::new(PretendDevice { inner, wait_us, last: StepTiming::default() }))
+}
+
+fn host_us(e: &StepExecution) -> u64 {
+    e.elapsed_us - e.device_wait_us
+}
+
+#[test]
+fn steps_carry_the_runners_device_wait_and_graph_flag() {
+    const WAIT: u64 = 3_000;
+    let coord = pretend_coordinator(WAIT);
+    let prompt: Vec<u32> = (0..9).map(|i| (i * 11 + 5) % 300).collect();
+    let mut stepped = coord.begin_stepped(greedy_ids(&prompt, 3), 1, 0).unwrap();
+    let founder = stepped.residents().unwrap()[0];
+    let first = stepped.prefill(&ImmutablePrefillBatch { target: founder }).unwrap();
+    assert_eq!(first.execution.device_wait_us, WAIT, "{:?}", first.execution);
+    assert!(first.execution.elapsed_us >= WAIT, "{:?}", first.execution);
+    assert!(!first.execution.cuda_graph, "a prefill is reported as the runner says: not a graph");
+
+    let step = stepped.decode(&ImmutableDecodeBatch { residents: vec![founder] }).unwrap();
+    assert_eq!(step.execution.device_wait_us, WAIT, "{:?}", step.execution);
+    assert!(step.execution.cuda_graph, "the decode's graph flag comes from the runner");
+
+    // A request cancelled before its prefill runs no forward: its prefill step reports no device time, not
+    // the previous forward's.
+    let intent = stepped.build_intent(greedy_ids(&prompt, 3), 1, 2).unwrap();
+    let adm = stepped.admit(intent).unwrap();
+    assert_eq!(adm.status, AdmissionStatus::Admitted);
+    let late = adm.resident.unwrap();
+    stepped.cancel(late).unwrap();
+    let cancelled = stepped.prefill(&ImmutablePrefillBatch { target: late }).unwrap();
+    assert_eq!(cancelled.finished.len(), 1);
+    assert_eq!(cancelled.execution.device_wait_us, 0, "{:?}", cancelled.execution);
+    assert!(!cancelled.execution.cuda_graph);
+    stepped.abort().unwrap();
+}
+
+#[test]
+fn device_wait_is_capped_at_the_steps_elapsed_time() {
+    // A runner whose clock claims more wait than the step lasted (here: absurdly more) must not make the
+    // host time (elapsed - device_wait) underflow.
+    let coord = wrapped_coordinator(|inner| Box::new(Overclaims(PretendDevice { inner, wait_us: 0, last: StepTiming::default() })));
+    let mut stepped = coord.begin_stepped(greedy_ids(&[1, 2, 3, 4, 5], 2), 1, 0).unwrap();
+    let founder = stepped.founder();
+    let first = stepped.prefill(&ImmutablePrefillBatch { target: founder }).unwrap();
+    assert_eq!(first.execution.device_wait_us, first.execution.elapsed_us);
+    assert_eq!(host_us(&first.execution), 0);
+    stepped.abort().unwrap();
+}
+
+struct Overclaims(PretendDevice);
+
+impl ModelRunner for Overclaims {
+    fn config(&self) -> &ModelConfig {
+        self.0.config()
+    }
+    fn allocate_kv_cache(&mut self, num_blocks: usize, block_size: usize) -> stepllm_core::error::Result<()> {
+        self.0.allocate_kv_cache(num_blocks, block_size)
+    }
+    fn forward(&mut self, batch: &ForwardBatch) -> stepllm_core::error::Result<Vec<f32>> {
+        self.0.forward(batch)
+    }
+    fn forward_and_sample(&mut self, batch: &ForwardBatch, rows: &[RowContext]) -> stepllm_core::error::Result<Vec<Sampled>> {
+        self.0.forward_and_sample(batch, rows)
+    }
+    fn device_description(&self) -> String {
+        self.0.device_description()
+    }
+    fn parameter_count(&self) -> usize {
+        self.0.parameter_count()
+    }
+    fn last_step_timing(&self) -> StepTiming {
+        StepTiming { device_wait_us: u64::MAX / 2, cuda_graph: false }
+    }
+}
