@@ -34,6 +34,12 @@ __device__ __forceinline__ u32 key_of(float x) {
     return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
 }
 
+// The upper middle of [lo, hi] for a bisection that keeps `lo` on success; in 64 bits, because hi - lo + 1
+// overflows u32 for the full key range (mid would be lo, and the search would never end).
+__host__ __device__ __forceinline__ u32 upper_mid(u32 lo, u32 hi) {
+    return (u32)(((unsigned long long)lo + (unsigned long long)hi + 1ull) / 2ull);
+}
+
 // Index of the first maximum (NaN ignored; 0 when nothing is a number).
 __device__ u32 argmax_row(const float* w, int V, float* fscratch, u32* uscratch) {
     float best = -INFINITY;
@@ -180,7 +186,7 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
         // Largest key T with count(key >= T) >= k.
         u32 lo = 0, hi = 0xffffffffu;
         while (lo < hi) {
-            const u32 mid = lo + (hi - lo + 1) / 2;
+            const u32 mid = upper_mid(lo, hi);
             u32 c = 0;
             for (int i = threadIdx.x; i < V; i += blockDim.x) c += kept[i] && key_of(w[i]) >= mid;
             if (block_sum_u32(c, uscratch) >= p.top_k) lo = mid; else hi = mid - 1;
@@ -202,7 +208,7 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
         // Largest key T with mass(key >= T) >= needed.
         u32 lo = 0, hi = 0xffffffffu;
         while (lo < hi) {
-            const u32 mid = lo + (hi - lo + 1) / 2;
+            const u32 mid = upper_mid(lo, hi);
             double s = 0.0;
             for (int i = threadIdx.x; i < V; i += blockDim.x)
                 if (kept[i] && key_of(w[i]) >= mid) s += (double)expf(w[i] - mx);

@@ -18,9 +18,11 @@ use crate::model::loader::HostTensor;
 
 /// Largest batch the GEMV kernels can serve (one instantiation per row count).
 pub const GEMV_MAX_ROWS: usize = 8;
-/// Default largest batch sent to the GEMV kernels rather than cuBLAS; STEPLLM_GEMV_MAX_ROWS overrides it
-/// (0 = cuBLAS only), so the crossover can be measured on each GPU (benchmarks/gpu_decode.py --gemv-sweep).
-const GEMV_DEFAULT_ROWS: usize = 8;
+/// Default largest batch sent to the GEMV kernels rather than cuBLAS. Measured on the H200 (Qwen3-0.6B shape,
+/// benchmarks/gpu_decode.py --gemv-sweep, 2026-12-02): the GEMVs win at 1 and 2 rows (1.12 vs 1.48 ms and
+/// 1.35 vs 1.54 ms per step), cuBLAS from 4 rows on (1.60 vs 1.66-1.68 ms; at 8 rows 1.52 vs 2.27 ms).
+/// STEPLLM_GEMV_MAX_ROWS overrides it (0 = cuBLAS only), so the crossover can be measured on each GPU.
+const GEMV_DEFAULT_ROWS: usize = 2;
 /// Threads of one GEMV block (kernels/gemv.cu GEMV_THREADS) and its warps.
 const GEMV_THREADS: u32 = 256;
 const GEMV_WARPS: usize = 8;
@@ -606,7 +608,7 @@ impl Backend for CudaBackend {
     ) -> Result<()> {
         Self::check_norm(x, norm)?;
         Self::check_linear(x, gate_up)?;
-        if gate_up.rows % 16 != 0 {
+        if !gate_up.rows.is_multiple_of(16) {
             return internal(format!("gate_up wants [gate | up] halves of 8k rows, got {} rows", gate_up.rows));
         }
         if !self.use_gemv(x.rows, gate_up.cols) {
@@ -657,7 +659,7 @@ impl Backend for CudaBackend {
         layer: usize,
     ) -> Result<()> {
         check_attention(qkv, shape, batch, cache, layer)?;
-        if shape.head_dim > 256 || shape.head_dim % 2 != 0 {
+        if shape.head_dim > 256 || !shape.head_dim.is_multiple_of(2) {
             return Err(Error::Device(format!("the CUDA RoPE kernel supports even head_dim <= 256, not {}", shape.head_dim)));
         }
         let (qn, kn) = qk_norm.map_or((0, 0), |(q, k)| (q.buf.ptr(), k.buf.ptr()));
@@ -722,7 +724,7 @@ impl Backend for CudaBackend {
     }
 
     fn silu_mul(&self, gate_up: &CudaTensor, out: &mut CudaTensor) -> Result<()> {
-        if gate_up.cols % 16 != 0 {
+        if !gate_up.cols.is_multiple_of(16) {
             return internal(format!("silu_mul wants [gate | up] rows with halves of 8k, got width {}", gate_up.cols));
         }
         let half = gate_up.cols / 2;
@@ -752,7 +754,7 @@ impl Backend for CudaBackend {
             // Logits stay for GPU sampling; the greedy token of every row is found here, inside a decode graph.
             let keys = self.argmax_keys(x.rows)?;
             if x.rows > 0 {
-                if x.cols % 8 != 0 {
+                if !x.cols.is_multiple_of(8) {
                     return Err(Error::Device(format!("the CUDA argmax needs a vocabulary that is a multiple of 8, not {}", x.cols)));
                 }
                 self.inner.gpu.zero_async(keys, x.rows * 8)?;
