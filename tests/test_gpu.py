@@ -3,7 +3,8 @@
 Random-weight checkpoints of real shapes are made once per session (benchmarks/gpu_models.py) in
 $STEPLLM_GPU_MODELS or a temporary folder. Checks: next-token log-probabilities against transformers in bf16
 on the same GPU; GPU against our CPU backend; greedy agreement; CUDA-graph decode equals eager decode;
-sampling options on the GPU.
+sampling options on the GPU; the stepped API on the GPU (admission mid-stream, prefix-cache hit vs miss, cancel
+and abort releasing everything).
 
 Tolerances scale with the logits' magnitude. The checkpoints' embeddings are scaled up (gpu_models.EMBED_SCALE),
 so logits reach ~100-300 on llama1b, where one bf16 ulp is 0.5-2.0: a fixed absolute tolerance is either too
@@ -215,3 +216,83 @@ def test_gpu_sampling_options(models_dir: Path) -> None:
     alone = coord.dispatch_request([stepllm.GenerationRequest(PROMPT, p)])[0].output_ids
     mixed = coord.dispatch_request([stepllm.GenerationRequest(PROMPT[:9], greedy(8)), stepllm.GenerationRequest(PROMPT, p)])
     assert mixed[1].output_ids == alone
+
+
+# ---------------------------------------------------------------------------------------- the stepped API on the GPU
+
+def run_alone(coord: stepllm.RuntimeCoordinator, request: stepllm.GenerationRequest) -> stepllm.GenerationResponse:
+    stepped = coord.begin_stepped(request)
+    stepped.prefill(stepllm.ImmutablePrefillBatch(target=stepped.founder()))
+    while stepped.residents():
+        stepped.decode(stepllm.ImmutableDecodeBatch(residents=stepped.residents()))
+    return stepped.finish()
+
+
+def assert_released(coord: stepllm.RuntimeCoordinator) -> None:
+    c = coord.counts()
+    assert c["live_slots"] == 0 and c["leased_blocks"] == 0, c
+    assert c["free_slots"] == c["slot_capacity"], c
+    assert c["free_blocks"] + c["cached_blocks"] == c["total_blocks"], c
+
+
+def test_stepped_admission_mid_stream_on_gpu(models_dir: Path) -> None:
+    """B admitted while A decodes from graphs gives what each gives alone; every decode step replays a graph."""
+    path = gpu_models.make("smollm2", models_dir)
+    a = stepllm.GenerationRequest(PROMPT, greedy(16))
+    b = stepllm.GenerationRequest(PROMPT[:23], greedy(10))
+    alone_a = run_alone(coordinator(path, "cuda", graphs=True), a)
+    alone_b = run_alone(coordinator(path, "cuda", graphs=True), b)
+    coord = coordinator(path, "cuda", graphs=True)
+    stepped = coord.begin_stepped(a)
+    stepped.prefill(stepllm.ImmutablePrefillBatch(target=stepped.founder()))
+    for _ in range(4):
+        stepped.decode(stepllm.ImmutableDecodeBatch(residents=stepped.residents()))
+    adm = stepped.admit(b, original_index=1, request_id=2)
+    stepped.prefill(stepllm.ImmutablePrefillBatch(target=adm.ref))
+    done: dict[int, stepllm.GenerationResponse] = {}
+    while stepped.residents():
+        step = stepped.decode(stepllm.ImmutableDecodeBatch(residents=stepped.residents()))
+        ex = step.execution
+        assert ex.cuda_graph and 0 <= ex.device_wait_us <= ex.elapsed_us, ex
+        for _, result in step.finished:
+            done[result.identity.original_index] = stepped.materialize(result)
+    assert stepped.finish().output_ids == alone_a.output_ids
+    assert done[1].output_ids == alone_b.output_ids
+    assert_released(coord)
+
+
+def test_gpu_prefix_cache_hit_equals_miss(models_dir: Path) -> None:
+    """A hit prefills only the prompt's tail, attending over cached KV blocks; the output must not change."""
+    path = gpu_models.make("qwen3", models_dir)
+    coord = coordinator(path, "cuda", graphs=True)
+    request = stepllm.GenerationRequest(PROMPT, greedy(12))
+    miss = run_alone(coord, request)
+    hit = run_alone(coord, request)
+    assert miss.cached_prompt_tokens == 0
+    assert hit.cached_prompt_tokens == 32, hit.cached_prompt_tokens  # two full blocks of 16 of the 40 tokens
+    assert hit.output_ids == miss.output_ids
+    assert_released(coord)
+
+
+def test_gpu_cancel_and_abort_release_everything(models_dir: Path) -> None:
+    path = gpu_models.make("smollm2", models_dir)
+    coord = coordinator(path, "cuda", graphs=True)
+    stepped = coord.begin_stepped(stepllm.GenerationRequest(PROMPT, greedy(30)))
+    stepped.prefill(stepllm.ImmutablePrefillBatch(target=stepped.founder()))
+    refs = []
+    for i in range(3):
+        adm = stepped.admit(stepllm.GenerationRequest(PROMPT[: 10 + 5 * i], greedy(30)), original_index=i + 1, request_id=i + 2)
+        stepped.prefill(stepllm.ImmutablePrefillBatch(target=adm.ref))
+        refs.append(adm.ref)
+    for _ in range(3):
+        stepped.decode(stepllm.ImmutableDecodeBatch(residents=stepped.residents()))
+    stepped.cancel(refs[1])
+    step = stepped.decode(stepllm.ImmutableDecodeBatch(residents=stepped.residents()))
+    cancelled = [r for r, result in step.finished if result.finish_reason == stepllm.FinishReason.CANCELLED]
+    assert cancelled == [refs[1]], step.finished
+    assert refs[1] not in stepped.residents() and len(stepped.residents()) == 3
+    stepped.abort()
+    assert_released(coord)
+    again = run_alone(coord, stepllm.GenerationRequest(PROMPT, greedy(8)))
+    assert len(again.output_ids) == 8
+    assert_released(coord)
