@@ -58,13 +58,6 @@ impl SequenceRow {
         self.prompt_ids.len() + self.output_ids.len()
     }
 
-    /// The tokens (prompt then output) whose KV the cache holds or will hold.
-    pub fn all_tokens(&self) -> Vec<u32> {
-        let mut t = self.prompt_ids.clone();
-        t.extend_from_slice(&self.output_ids);
-        t
-    }
-
     /// Tokens past the watermark, and the text they completed; advances the watermark.
     pub fn take_delta(&mut self) -> Option<TokenDelta> {
         if self.watermark == self.output_ids.len() {

@@ -41,6 +41,9 @@ pub struct RuntimeStepper {
     seated: Option<ResidentRef>,
     next_step_id: StepId,
     unseeded_draws: u64,
+    /// The last step's ForwardBatch, refilled by the next one so that a steady decode tick allocates no batch
+    /// (each sequence's block-table Vec keeps its capacity).
+    batch_scratch: ForwardBatch,
 }
 
 impl RuntimeStepper {
@@ -56,6 +59,7 @@ impl RuntimeStepper {
             seated: None,
             next_step_id: 1,
             unseeded_draws: 0,
+            batch_scratch: ForwardBatch::default(),
             config,
         })
     }
@@ -167,6 +171,7 @@ impl RuntimeStepper {
         } else {
             let batch = self.plan_forward(&[target], SequenceWork::Context);
             let outcome = self.run_and_sample(&batch, &[target]);
+            self.batch_scratch = batch;
             (outcome, self.runner.last_step_timing())
         };
         let ok = outcome.is_ok();
@@ -213,6 +218,7 @@ impl RuntimeStepper {
         if !computing.is_empty() {
             let fb = self.plan_forward(&computing, SequenceWork::Decode);
             let outcome = self.run_and_sample(&fb, &computing);
+            self.batch_scratch = fb;
             timing = self.runner.last_step_timing();
             match outcome {
                 Ok(sampled) => {
@@ -266,7 +272,7 @@ impl RuntimeStepper {
         };
         let ran = self.runner.forward(&fb);
         if ran.is_ok() {
-            self.budget.publish_computed(tokens, &mut lease, full, key, true);
+            self.budget.publish_computed(tokens, &[], &mut lease, full, key, true);
         }
         self.budget.release(&lease.blocks);
         ran.map(|_| full)
@@ -313,10 +319,11 @@ impl RuntimeStepper {
         if residents.is_empty() {
             return protocol("decode batch is empty: pass at least one resident");
         }
-        let mut seen = std::collections::HashSet::new();
+        // Indexed by slot (validated first, so in range): cheaper than hashing every ref each tick.
+        let mut seen = vec![false; self.slots.capacity()];
         for &r in residents {
             self.slots.validate(r)?;
-            if !seen.insert(r) {
+            if std::mem::replace(&mut seen[r.slot as usize], true) {
                 return protocol(format!("decode batch names slot {} epoch {} twice", r.slot, r.epoch));
             }
             if self.row(r)?.phase != Phase::Running {
@@ -334,10 +341,15 @@ impl RuntimeStepper {
         self.session.get_mut(r).ok_or_else(|| Error::Internal(format!("live slot {} has no session row", r.slot)))
     }
 
-    /// The ragged batch: each sequence's uncomputed tokens, their positions and its block table.
-    fn plan_forward(&self, refs: &[ResidentRef], work: SequenceWork) -> ForwardBatch {
-        let mut fb = ForwardBatch::default();
-        for r in refs {
+    /// The ragged batch: each sequence's uncomputed tokens, their positions and its block table. It is built in
+    /// the previous step's batch (`batch_scratch`, handed back after the forward) to reuse its allocations.
+    fn plan_forward(&mut self, refs: &[ResidentRef], work: SequenceWork) -> ForwardBatch {
+        let mut fb = std::mem::take(&mut self.batch_scratch);
+        fb.tokens.clear();
+        fb.positions.clear();
+        fb.logits_for.clear();
+        fb.seqs.truncate(refs.len());
+        for (i, r) in refs.iter().enumerate() {
             let row = self.session.get(*r).expect("validated");
             let query: &[u32] = match work {
                 SequenceWork::Context => &row.prompt_ids[row.computed..],
@@ -347,12 +359,15 @@ impl RuntimeStepper {
             fb.tokens.extend_from_slice(query);
             fb.positions.extend((row.computed..row.computed + query.len()).map(|p| p as u32));
             let needed_blocks = (row.computed + query.len()).div_ceil(self.config.block_size);
-            fb.seqs.push(SeqSlice {
-                start,
-                len: query.len(),
-                past_len: row.computed,
-                block_table: row.lease.blocks[..needed_blocks].to_vec(),
-            });
+            if i == fb.seqs.len() {
+                fb.seqs.push(SeqSlice { start: 0, len: 0, past_len: 0, block_table: Vec::new() });
+            }
+            let seq = &mut fb.seqs[i];
+            seq.start = start;
+            seq.len = query.len();
+            seq.past_len = row.computed;
+            seq.block_table.clear();
+            seq.block_table.extend_from_slice(&row.lease.blocks[..needed_blocks]);
             fb.logits_for.push(start + query.len() - 1);
         }
         fb
@@ -388,21 +403,20 @@ impl RuntimeStepper {
     /// Append a sampled token and decide whether the sequence ends with it.
     fn accept_token(&mut self, r: ResidentRef, s: Sampled) -> Result<()> {
         let max_model_len = self.config.max_model_len;
-        let tokenizer = Arc::clone(&self.tokenizer);
         let is_eos = self.eos_ids.contains(&s.token_id);
-        let row = self.row_mut(r)?;
+        // The row is borrowed from `session` directly (not through `row_mut`) so `tokenizer` stays borrowable.
+        let row = self.session.get_mut(r).ok_or_else(|| Error::Internal(format!("live slot {} has no session row", r.slot)))?;
         row.output_ids.push(s.token_id);
         if let (Some(list), Some(lp)) = (row.logprobs.as_mut(), s.logprob) {
             list.push(lp);
         }
-        let step = row.stream.push(&tokenizer, s.token_id)?;
-        row.unreported_text.push_str(&step.text);
+        let stopped = row.stream.push_to(&self.tokenizer, s.token_id, &mut row.unreported_text)?;
         let end = |reason, stop_reason| Some(Ending { reason, stop_reason, error: None });
         row.ending = if is_eos && !row.sampling.ignore_eos {
             end(FinishReason::Eos, None)
         } else if row.sampling.stop_token_ids.contains(&s.token_id) {
             end(FinishReason::Stop, Some(s.token_id.to_string()))
-        } else if let Some(stop) = step.stopped {
+        } else if let Some(stop) = stopped {
             end(FinishReason::Stop, Some(stop))
         } else if row.output_ids.len() >= row.sampling.max_tokens || row.total_len() >= max_model_len {
             end(FinishReason::Length, None)
@@ -417,11 +431,12 @@ impl RuntimeStepper {
         if row.ending.as_ref().is_some_and(|e| e.reason == FinishReason::Error) {
             return Ok(false);
         }
-        let (tokens, computed) = match policy {
-            CommitPolicy::PrefillOnly => (row.prompt_ids.clone(), row.computed.min(row.prompt_ids.len())),
-            CommitPolicy::IncludingGenerated => (row.all_tokens(), row.computed),
+        // The token list is passed in its two parts: copying it would cost O(context) every decode tick.
+        let (output, computed): (&[u32], usize) = match policy {
+            CommitPolicy::PrefillOnly => (&[], row.computed.min(row.prompt_ids.len())),
+            CommitPolicy::IncludingGenerated => (&row.output_ids, row.computed),
         };
-        Ok(self.budget.publish_computed(&tokens, &mut row.lease, computed, row.extra_key, false))
+        Ok(self.budget.publish_computed(&row.prompt_ids, output, &mut row.lease, computed, row.extra_key, false))
     }
 
     /// Build the step's record: deltas for survivors, finished results for ended rows (released here).
@@ -433,7 +448,7 @@ impl RuntimeStepper {
         execution: StepExecution,
         published_prefix: bool,
     ) -> Result<StepResult> {
-        let mut deltas = Vec::new();
+        let mut deltas = Vec::with_capacity(participants.len());
         let mut finished = Vec::new();
         let mut touched: Vec<ResidentRef> = participants.iter().map(|p| p.identity.resident).collect();
         touched.extend(self.session.iter().filter(|row| row.ending.is_some()).map(|row| row.resident()));

@@ -114,15 +114,25 @@ impl BlockBudget {
         }
     }
 
-    /// Publish every full block of `tokens` whose KV is computed (`computed` tokens) and not yet hashed.
-    /// Returns whether any block was newly published.
-    pub fn publish_computed(&mut self, tokens: &[u32], lease: &mut Lease, computed: usize, extra: u64, pinned: bool) -> bool {
+    /// Publish every full block of the sequence `prompt ++ output` whose KV is computed (`computed` tokens)
+    /// and not yet hashed. Returns whether any block was newly published. The sequence comes in two parts so
+    /// that a decode step need not copy its whole token list; with no new full block this is O(1).
+    pub fn publish_computed(
+        &mut self,
+        prompt: &[u32],
+        output: &[u32],
+        lease: &mut Lease,
+        computed: usize,
+        extra: u64,
+        pinned: bool,
+    ) -> bool {
         let bs = self.block_size();
         let mut published = false;
-        while (lease.hashes.len() + 1) * bs <= computed.min(tokens.len()) {
+        let mut straddling = Vec::new();
+        while (lease.hashes.len() + 1) * bs <= computed.min(prompt.len() + output.len()) {
             let i = lease.hashes.len();
             let parent = if i == 0 { 0 } else { lease.hashes[i - 1] };
-            let chunk = &tokens[i * bs..(i + 1) * bs];
+            let chunk = tokens_in(prompt, output, i * bs..(i + 1) * bs, &mut straddling);
             let h = block_hash(parent, chunk, extra);
             published |= self.cache.publish(&mut self.pool, lease.blocks[i], h, parent, chunk, pinned);
             if pinned {
@@ -142,6 +152,22 @@ impl BlockBudget {
             pinned_blocks: self.cache.pinned_count(),
             ..PoolCounts::default()
         }
+    }
+}
+
+/// Tokens `range` of `prompt ++ output`: a slice of one part, or copied into `buf` when the range straddles
+/// both (at most one block per sequence does).
+fn tokens_in<'a>(prompt: &'a [u32], output: &'a [u32], range: std::ops::Range<usize>, buf: &'a mut Vec<u32>) -> &'a [u32] {
+    let p = prompt.len();
+    if range.end <= p {
+        &prompt[range]
+    } else if range.start >= p {
+        &output[range.start - p..range.end - p]
+    } else {
+        buf.clear();
+        buf.extend_from_slice(&prompt[range.start..]);
+        buf.extend_from_slice(&output[..range.end - p]);
+        buf
     }
 }
 
@@ -176,7 +202,7 @@ mod tests {
         let prompt: Vec<u32> = (0..9).collect();
         let mut first = granted(b.reserve(&prompt, 2, 0));
         assert_eq!(first.cached_tokens, 0);
-        assert!(b.publish_computed(&prompt, &mut first, 9, 0, false));
+        assert!(b.publish_computed(&prompt, &[], &mut first, 9, 0, false));
         b.release(&first.blocks);
         assert_eq!(b.counts().cached_blocks, 2);
         let second = granted(b.reserve(&prompt, 2, 0));
@@ -187,11 +213,29 @@ mod tests {
     }
 
     #[test]
+    fn a_sequence_split_anywhere_publishes_the_same_blocks() {
+        let tokens: Vec<u32> = (0..14).collect();
+        let whole = {
+            let mut b = budget(8);
+            let mut lease = granted(b.reserve(&tokens, 2, 0));
+            b.publish_computed(&tokens, &[], &mut lease, 14, 0, false);
+            lease.hashes
+        };
+        assert_eq!(whole.len(), 3);
+        for split in 0..=tokens.len() {
+            let mut b = budget(8);
+            let mut lease = granted(b.reserve(&tokens, 2, 0));
+            b.publish_computed(&tokens[..split], &tokens[split..], &mut lease, 14, 0, false);
+            assert_eq!(lease.hashes, whole, "split at {split}");
+        }
+    }
+
+    #[test]
     fn whole_prompt_hit_still_leaves_one_token_to_compute() {
         let mut b = budget(8);
         let prompt: Vec<u32> = (0..8).collect();
         let mut first = granted(b.reserve(&prompt, 1, 0));
-        b.publish_computed(&prompt, &mut first, 8, 0, false);
+        b.publish_computed(&prompt, &[], &mut first, 8, 0, false);
         b.release(&first.blocks);
         let second = granted(b.reserve(&prompt, 1, 0));
         assert_eq!(second.cached_tokens, 4);

@@ -1,4 +1,5 @@
 //! Text: tokenization, chat templates, incremental detokenization and stop strings.
+mod byte_decode;
 pub mod chat_template;
 pub mod stop;
 pub mod tokenizer;

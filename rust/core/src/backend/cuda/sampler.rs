@@ -15,6 +15,8 @@ use crate::sampling::{seeded_uniform, RowContext, Sampled};
 
 /// Words per row of `RowParams` in kernels/sampling.cu.
 const PARAM_WORDS: usize = 16;
+/// Index of the row's first bias pair within its `RowParams`.
+const BIAS_START_WORD: usize = 11;
 /// Below this temperature a row is greedy (as in sampling.rs).
 const MIN_TEMPERATURE: f32 = 1e-5;
 
@@ -131,15 +133,15 @@ impl Sampler {
         Ok(out.as_slice()[..n].to_vec())
     }
 
-    /// Lay out [params (16 words a row) | ids | bias pairs] in `self.host`.
+    /// Lay out [params (16 words a row) | ids | bias pairs] in `self.host`. Each row's parameters are written as
+    /// its ids are appended; its bias start is filled in once the ids end, so no per-step lists are needed.
     fn pack(&mut self, rows: &[RowContext]) {
         let n = rows.len();
         self.host.clear();
         self.host.resize(PARAM_WORDS * n, 0);
-        let mut ids: Vec<(usize, usize, usize)> = Vec::with_capacity(n);
-        for ctx in rows {
+        for (i, ctx) in rows.iter().enumerate() {
             let p = ctx.params;
-            let start = self.host.len() - PARAM_WORDS * n;
+            let ids_start = self.host.len() - PARAM_WORDS * n;
             let (prompt_len, output_len) = if p.repetition_penalty != 1.0 {
                 self.host.extend_from_slice(ctx.prompt_ids);
                 self.host.extend_from_slice(ctx.output_ids);
@@ -150,22 +152,8 @@ impl Sampler {
             } else {
                 (0, 0)
             };
-            ids.push((start, prompt_len, output_len));
-        }
-        self.bias_offset = self.host.len();
-        let mut bias_starts = Vec::with_capacity(n);
-        for ctx in rows {
-            bias_starts.push((self.host.len() - self.bias_offset) / 2);
-            for &(id, b) in &ctx.params.logit_bias {
-                self.host.push(id);
-                self.host.push(b.to_bits());
-            }
-        }
-        for (i, ctx) in rows.iter().enumerate() {
-            let p = ctx.params;
             let greedy = p.is_greedy() || p.temperature < MIN_TEMPERATURE;
             let u = seeded_uniform(ctx.seed, ctx.position).to_bits();
-            let (ids_start, prompt_len, output_len) = ids[i];
             let words = [
                 p.temperature.to_bits(),
                 p.top_k.min(u32::MAX as usize) as u32,
@@ -178,13 +166,21 @@ impl Sampler {
                 ids_start as u32,
                 prompt_len as u32,
                 output_len as u32,
-                bias_starts[i] as u32,
+                0, // bias start: written below
                 p.logit_bias.len() as u32,
                 u as u32,
                 (u >> 32) as u32,
                 0,
             ];
             self.host[PARAM_WORDS * i..PARAM_WORDS * (i + 1)].copy_from_slice(&words);
+        }
+        self.bias_offset = self.host.len();
+        for (i, ctx) in rows.iter().enumerate() {
+            self.host[PARAM_WORDS * i + BIAS_START_WORD] = ((self.host.len() - self.bias_offset) / 2) as u32;
+            for &(id, b) in &ctx.params.logit_bias {
+                self.host.push(id);
+                self.host.push(b.to_bits());
+            }
         }
     }
 }

@@ -6,6 +6,7 @@ use crate::error::{load_err, Error, Result};
 use crate::model::config::{ids_from, ModelConfig};
 use ::safetensors::tensor::{Dtype, Metadata, SafeTensors, TensorInfo};
 use memmap2::Mmap;
+use rayon::prelude::*;
 use serde_json::Value;
 use std::collections::HashMap;
 use std::fs::File;
@@ -150,10 +151,11 @@ impl Shard {
             Error::Load(format!("{} does not hold tensor {name:?}", self.path.display()))
         })?;
         let bytes = self.bytes(info);
+        // Converted on every core: a billion-parameter checkpoint is gigabytes, and loading is on the cold start.
         let data = match info.dtype {
-            Dtype::F32 => bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect(),
-            Dtype::F16 => bytes.chunks_exact(2).map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
-            Dtype::BF16 => bytes.chunks_exact(2).map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
+            Dtype::F32 => convert(bytes, |b: &[u8; 4]| f32::from_le_bytes(*b)),
+            Dtype::F16 => convert(bytes, |b: &[u8; 2]| half::f16::from_le_bytes(*b).to_f32()),
+            Dtype::BF16 => convert(bytes, |b: &[u8; 2]| half::bf16::from_le_bytes(*b).to_f32()),
             other => {
                 return load_err(format!(
                     "tensor {name:?} in {} has dtype {other:?}; stepllm reads F32, F16 and BF16 checkpoints \
@@ -235,4 +237,13 @@ mod tests {
         let err = load_hf_config(Path::new("/nonexistent/model")).unwrap_err();
         assert!(err.to_string().contains("config.json"), "{err}");
     }
+}
+
+/// Little-endian `N`-byte values to f32, in parallel chunks.
+fn convert<const N: usize>(bytes: &[u8], to_f32: impl Fn(&[u8; N]) -> f32 + Sync) -> Vec<f32> {
+    bytes
+        .par_chunks_exact(N)
+        .with_min_len(1 << 16)
+        .map(|b| to_f32(b.try_into().expect("chunks_exact gives N bytes")))
+        .collect()
 }
