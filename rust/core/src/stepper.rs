@@ -185,15 +185,15 @@ impl RuntimeStepper {
             Err(ending) => row.ending = Some(ending),
         }
         let published = self.publish_prefix(target, CommitPolicy::PrefillOnly)?;
-        let exec = execution(1, descriptor.query_length, started, timing);
-        self.commit(ok, SequenceWork::Context, vec![descriptor], exec, published)
+        let clock = StepClock { rows: 1, tokens: descriptor.query_length, started, timing };
+        self.commit(ok, SequenceWork::Context, vec![descriptor], clock, published)
     }
 
     /// One generated token for each listed resident.
     pub fn decode(&mut self, batch: &ImmutableDecodeBatch) -> Result<StepResult> {
+        let started = Instant::now();
         self.refuse_if_seated("decode")?;
         self.validate_decode_batch(&batch.residents)?;
-        let started = Instant::now();
         let (latched, computing): (Vec<ResidentRef>, Vec<ResidentRef>) =
             batch.residents.iter().partition(|r| self.session.get(**r).is_some_and(|row| row.latched.is_some()));
         for r in &latched {
@@ -241,8 +241,8 @@ impl RuntimeStepper {
                 published |= self.publish_prefix(*r, CommitPolicy::IncludingGenerated)?;
             }
         }
-        let exec = execution(computing.len(), computing.len(), started, timing);
-        self.commit(ok, SequenceWork::Decode, descriptors, exec, published)
+        let clock = StepClock { rows: computing.len(), tokens: computing.len(), started, timing };
+        self.commit(ok, SequenceWork::Decode, descriptors, clock, published)
     }
 
     /// Compute a prompt's full blocks and pin them in the context cache (system prompts). No slot is used;
@@ -445,7 +445,7 @@ impl RuntimeStepper {
         ok: bool,
         work: SequenceWork,
         participants: Vec<ScheduledSequenceDescriptor>,
-        execution: StepExecution,
+        clock: StepClock,
         published_prefix: bool,
     ) -> Result<StepResult> {
         let mut deltas = Vec::with_capacity(participants.len());
@@ -467,21 +467,33 @@ impl RuntimeStepper {
         }
         let step_id = self.next_step_id;
         self.next_step_id += 1;
+        let execution = clock.stop();
         Ok(StepResult { ok, work, step_id, participants, execution, deltas, finished, published_prefix })
     }
 }
 
-/// A step's execution record: wall time since `started`, and the runner's device wait and graph use for the
-/// step's forward. The device wait is measured by the runner on its own clock inside the step; it is capped at
-/// the step's elapsed time so that `elapsed_us - device_wait_us` (the step's host time) never underflows.
-fn execution(rows: usize, tokens: usize, started: Instant, timing: StepTiming) -> StepExecution {
-    let elapsed_us = started.elapsed().as_micros() as u64;
-    StepExecution {
-        rows,
-        tokens,
-        elapsed_us,
-        device_wait_us: timing.device_wait_us.min(elapsed_us),
-        cuda_graph: timing.cuda_graph,
+/// A step's measurements while it runs; [`StepClock::stop`] turns them into its execution record once the
+/// record is built, so the step's host time covers its bookkeeping too.
+struct StepClock {
+    rows: usize,
+    tokens: usize,
+    started: Instant,
+    timing: StepTiming,
+}
+
+impl StepClock {
+    /// Wall time since `started`, with the runner's device wait and graph use for the step's forward. The device
+    /// wait is measured by the runner on its own clock inside the step; it is capped at the step's elapsed time
+    /// so that `elapsed_us - device_wait_us` (the step's host time) never underflows.
+    fn stop(self) -> StepExecution {
+        let elapsed_us = self.started.elapsed().as_micros() as u64;
+        StepExecution {
+            rows: self.rows,
+            tokens: self.tokens,
+            elapsed_us,
+            device_wait_us: self.timing.device_wait_us.min(elapsed_us),
+            cuda_graph: self.timing.cuda_graph,
+        }
     }
 }
 
