@@ -15,6 +15,10 @@ fn main() {
     let out_dir = PathBuf::from(env::var("OUT_DIR").unwrap());
     println!("cargo:rerun-if-changed={}", kernels.display());
     println!("cargo:rerun-if-env-changed=NVCC");
+    // nvcc is also found through `python3` on PATH: a build from another shell (another venv) must look again,
+    // or cargo reuses a kernel-less result and the wheel silently lacks the CUDA backend.
+    println!("cargo:rerun-if-env-changed=PATH");
+    println!("cargo:rerun-if-env-changed=VIRTUAL_ENV");
     println!("cargo:rerun-if-env-changed=STEPLLM_NO_CUDA_KERNELS");
 
     let sources = cu_sources(&kernels);
