@@ -50,15 +50,6 @@ __device__ __forceinline__ int ceil_div(int a, int b) {
     return q + (r > 0);
 }
 
-__device__ __forceinline__ void bf16x8_to_float(const uint4& raw, float out[8]) {
-    const u32 w[4] = {raw.x, raw.y, raw.z, raw.w};
-#pragma unroll
-    for (int i = 0; i < 4; i++) {
-        out[2 * i] = __uint_as_float(w[i] << 16);
-        out[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
-    }
-}
-
 // Merge softmax state (m2, l2, acc2) into (m, l, acc); m = -inf means empty.
 template <int N>
 __device__ __forceinline__ void merge_state(float& m, float& l, float* acc, float m2, float l2, const float* acc2) {
@@ -152,7 +143,7 @@ __device__ void paged_attention(const bf16* __restrict__ qkv, int width, const u
             const int e = threadIdx.x + j * ATTN_THREADS;
             if (e < G * D / 8) {
                 float f[8];
-                bf16x8_to_float(qraw[j], f);
+                unpack8(qraw[j], f);
 #pragma unroll
                 for (int i = 0; i < 8; i++) (&s_q[0][0])[e * 8 + i] = f[i] * qscale;
             }
@@ -160,7 +151,7 @@ __device__ void paged_attention(const bf16* __restrict__ qkv, int width, const u
     } else {
 #pragma unroll
         for (int h = 0; h < G; h++) {
-            bf16x8_to_float(qraw[h], q[h]);
+            unpack8(qraw[h], q[h]);
 #pragma unroll
             for (int i = 0; i < 8; i++) q[h][i] *= qscale;
         }
@@ -226,7 +217,7 @@ __device__ void paged_attention(const bf16* __restrict__ qkv, int width, const u
 #pragma unroll
             for (int u = 0; u < U; u++) {
                 float k[8];
-                bf16x8_to_float(kr[u], k);
+                unpack8(kr[u], k);
                 float acc_s = 0.0f;
 #pragma unroll
                 for (int i = 0; i < 8; i++) acc_s = fmaf(qh[i], k[i], acc_s);
@@ -265,7 +256,7 @@ __device__ void paged_attention(const bf16* __restrict__ qkv, int width, const u
         for (int u = 0; u < U; u++) {
             if (base + u * NG >= end) continue;  // block-uniform: no position of this sub-step is left
             float v[8];
-            bf16x8_to_float(vr[u], v);
+            unpack8(vr[u], v);
 #pragma unroll
             for (int h = 0; h < G; h++) {
 #pragma unroll

@@ -9,28 +9,33 @@ typedef unsigned int u32;
 // Round through bf16: used where transformers rounds an intermediate to bf16, so our outputs match it.
 __device__ __forceinline__ float bf16r(float x) { return __bfloat162float(__float2bfloat16(x)); }
 
-// 8 consecutive bf16 (16 bytes, must be 16-byte aligned) as floats.
-__device__ __forceinline__ void load8(const bf16* p, float out[8]) {
-    uint4 raw = __ldg(reinterpret_cast<const uint4*>(p));
+// The 8 bf16 of one 16-byte word as floats (exact: a bf16 is the top half of an f32).
+__device__ __forceinline__ void unpack8(const uint4& raw, float out[8]) {
     const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
 #pragma unroll
     for (int i = 0; i < 4; i++) {
-        float2 f = __bfloat1622float2(h[i]);
+        const float2 f = __bfloat1622float2(h[i]);
         out[2 * i] = f.x;
         out[2 * i + 1] = f.y;
     }
 }
 
+// 8 consecutive bf16 (16 bytes, must be 16-byte aligned) as floats.
+__device__ __forceinline__ void load8(const bf16* p, float out[8]) {
+    unpack8(__ldg(reinterpret_cast<const uint4*>(p)), out);
+}
+
 // Same, but through L2 only: for data another block of this launch may have written.
 __device__ __forceinline__ void load8_cg(const bf16* p, float out[8]) {
-    uint4 raw = __ldcg(reinterpret_cast<const uint4*>(p));
-    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
-#pragma unroll
-    for (int i = 0; i < 4; i++) {
-        float2 f = __bfloat1622float2(h[i]);
-        out[2 * i] = f.x;
-        out[2 * i + 1] = f.y;
-    }
+    unpack8(__ldcg(reinterpret_cast<const uint4*>(p)), out);
+}
+
+// Larger float -> larger key, as unsigned integers; NaN maps to 0 (below everything). Sampling bisects over
+// these keys, and the greedy argmax packs them above the token id.
+__device__ __forceinline__ u32 order_key(float x) {
+    if (isnan(x)) return 0u;
+    const u32 b = __float_as_uint(x);
+    return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
 }
 
 __device__ __forceinline__ void store8(bf16* p, const float v[8]) {

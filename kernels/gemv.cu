@@ -38,14 +38,7 @@ __device__ __forceinline__ void stage_input(const bf16* __restrict__ x, const fl
             float ss = 0.0f;
             for (int i = lane; i < vecs; i += 32) {
                 float v[8];
-                const uint4 raw = dst[warp * vecs + i];
-                const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
-#pragma unroll
-                for (int j = 0; j < 4; j++) {
-                    const float2 f = __bfloat1622float2(h[j]);
-                    v[2 * j] = f.x;
-                    v[2 * j + 1] = f.y;
-                }
+                unpack8(dst[warp * vecs + i], v);
 #pragma unroll
                 for (int j = 0; j < 8; j++) ss += v[j] * v[j];
             }
@@ -55,15 +48,10 @@ __device__ __forceinline__ void stage_input(const bf16* __restrict__ x, const fl
         __syncthreads();
         for (int i = threadIdx.x; i < M * vecs; i += blockDim.x) {
             const int m = i / vecs, c = (i % vecs) * 8;
-            const uint4 raw = dst[i];
-            const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
             float v[8];
+            unpack8(dst[i], v);
 #pragma unroll
-            for (int j = 0; j < 4; j++) {
-                const float2 f = __bfloat1622float2(h[j]);
-                v[2 * j] = norm_w[c + 2 * j] * bf16r(f.x * inv[m]);
-                v[2 * j + 1] = norm_w[c + 2 * j + 1] * bf16r(f.y * inv[m]);
-            }
+            for (int j = 0; j < 8; j++) v[j] = norm_w[c + j] * bf16r(v[j] * inv[m]);
             store8(xs + (size_t)i * 8, v);
         }
         __syncthreads();
@@ -217,12 +205,6 @@ GEMV_ALL(8)
 
 // keys[r] = max over v of (key(logits[r, v]) << 32 | ~v): the first maximum of each row, as the greedy sampler
 // picks it (NaN never wins). keys must be zero before the launch. grid: (rows, blocks per row); V % 8 == 0.
-__device__ __forceinline__ u32 order_key(float x) {
-    if (isnan(x)) return 0u;
-    const u32 b = __float_as_uint(x);
-    return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
-}
-
 extern "C" __global__ void argmax_rows(const bf16* __restrict__ logits, int V, unsigned long long* __restrict__ keys) {
     __shared__ unsigned long long best_of_warp[32];
     const int r = blockIdx.x;

@@ -27,13 +27,6 @@ struct RowParams {
     u32 pad;
 };
 
-// Larger float -> larger key; NaN maps to 0 (below everything) and is never kept.
-__device__ __forceinline__ u32 key_of(float x) {
-    if (isnan(x)) return 0u;
-    const u32 b = __float_as_uint(x);
-    return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
-}
-
 // The upper middle of [lo, hi] for a bisection that keeps `lo` on success; in 64 bits, because hi - lo + 1
 // overflows u32 for the full key range (mid would be lo, and the search would never end).
 __host__ __device__ __forceinline__ u32 upper_mid(u32 lo, u32 hi) {
@@ -94,13 +87,13 @@ __device__ u32 nth_tie(const float* w, const unsigned char* kept, int V, u32 key
     const int per = (V + blockDim.x - 1) / blockDim.x;
     const int lo = threadIdx.x * per, hi = min(V, lo + per);
     u32 count = 0;
-    for (int i = lo; i < hi; i++) count += (kept[i] && key_of(w[i]) == key);
+    for (int i = lo; i < hi; i++) count += (kept[i] && order_key(w[i]) == key);
     u32 total;
     const u32 before = block_exclusive_scan<u32>(count, uscratch, &total);
     if (before < need && before + count >= need) {
         u32 seen = before;
         for (int i = lo; i < hi; i++) {
-            if (kept[i] && key_of(w[i]) == key && ++seen == need) {
+            if (kept[i] && order_key(w[i]) == key && ++seen == need) {
                 *shared_out = i;
                 break;
             }
@@ -188,15 +181,15 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
         while (lo < hi) {
             const u32 mid = upper_mid(lo, hi);
             u32 c = 0;
-            for (int i = threadIdx.x; i < V; i += blockDim.x) c += kept[i] && key_of(w[i]) >= mid;
+            for (int i = threadIdx.x; i < V; i += blockDim.x) c += kept[i] && order_key(w[i]) >= mid;
             if (block_sum_u32(c, uscratch) >= p.top_k) lo = mid; else hi = mid - 1;
         }
         u32 gt = 0;
-        for (int i = threadIdx.x; i < V; i += blockDim.x) gt += kept[i] && key_of(w[i]) > lo;
+        for (int i = threadIdx.x; i < V; i += blockDim.x) gt += kept[i] && order_key(w[i]) > lo;
         gt = block_sum_u32(gt, uscratch);
         const u32 cut = nth_tie(w, kept, V, lo, p.top_k - gt, uscratch, &shared_u32);
         for (int i = threadIdx.x; i < V; i += blockDim.x) {
-            const u32 k = key_of(w[i]);
+            const u32 k = order_key(w[i]);
             kept[i] = kept[i] && (k > lo || (k == lo && (u32)i <= cut));
         }
         __syncthreads();
@@ -211,14 +204,14 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
             const u32 mid = upper_mid(lo, hi);
             double s = 0.0;
             for (int i = threadIdx.x; i < V; i += blockDim.x)
-                if (kept[i] && key_of(w[i]) >= mid) s += (double)expf(w[i] - mx);
+                if (kept[i] && order_key(w[i]) >= mid) s += (double)expf(w[i] - mx);
             if (block_sum_f64(s, dscratch) >= needed) lo = mid; else hi = mid - 1;
         }
         double above = 0.0;
         float at_value = 0.0f;
         for (int i = threadIdx.x; i < V; i += blockDim.x) {
             if (!kept[i]) continue;
-            const u32 k = key_of(w[i]);
+            const u32 k = order_key(w[i]);
             if (k > lo) above += (double)expf(w[i] - mx);
             if (k == lo) at_value = w[i];
         }
@@ -231,7 +224,7 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
         while (above + need * each < needed && need < (u32)V) need++;
         const u32 cut = nth_tie(w, kept, V, lo, need, uscratch, &shared_u32);
         for (int i = threadIdx.x; i < V; i += blockDim.x) {
-            const u32 k = key_of(w[i]);
+            const u32 k = order_key(w[i]);
             kept[i] = kept[i] && (k > lo || (k == lo && (u32)i <= cut));
         }
         __syncthreads();

@@ -74,6 +74,15 @@ def row_request(row: dict[str, Any], sampling: stepllm.SamplingParams | None = N
     return stepllm.GenerationRequest(prompt=row["prompt"], sampling=sampling, add_special_tokens=False)
 
 
+def run_alone(coord: stepllm.RuntimeCoordinator, request: stepllm.GenerationRequest) -> stepllm.GenerationResponse:
+    """`request` as the founder of a stepped session of its own: prefill, then decode until it ends."""
+    stepped = coord.begin_stepped(request)
+    stepped.prefill(stepllm.ImmutablePrefillBatch(target=stepped.founder()))
+    while stepped.residents():
+        stepped.decode(stepllm.ImmutableDecodeBatch(residents=stepped.residents()))
+    return stepped.finish()
+
+
 def check_invariants(counts: dict[str, int]) -> None:
     assert counts["free_slots"] + counts["live_slots"] == counts["slot_capacity"], counts
     assert counts["free_blocks"] + counts["leased_blocks"] + counts["cached_blocks"] == counts["total_blocks"], counts

@@ -7,17 +7,9 @@ from typing import Any
 import pytest
 
 import stepllm
-from conftest import check_invariants, coordinator, greedy, same_except_cache
+from conftest import check_invariants, coordinator, greedy, run_alone, same_except_cache
 
 LONG_PROMPT = "Once upon a time there was a little cat who liked to sleep in the sun. The quick brown fox jumps over the lazy dog."
-
-
-def run_alone(coord: stepllm.RuntimeCoordinator, request: stepllm.GenerationRequest) -> stepllm.GenerationResponse:
-    stepped = coord.begin_stepped(request)
-    stepped.prefill(stepllm.ImmutablePrefillBatch(target=stepped.founder()))
-    while stepped.residents():
-        stepped.decode(stepllm.ImmutableDecodeBatch(residents=stepped.residents()))
-    return stepped.finish()
 
 
 def test_greedy_output_identical_on_cache_hit_and_miss(model_name: str) -> None:

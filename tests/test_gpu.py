@@ -36,6 +36,7 @@ except stepllm.StepllmError as e:  # built without kernels, or no driver
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import gpu_models  # noqa: E402
+from conftest import check_invariants, run_alone  # noqa: E402
 
 SHAPES = ["smollm2", "qwen3", "llama1b"]
 PROMPT = [(7 * i + 3) % 397 + 2 for i in range(40)]
@@ -220,19 +221,10 @@ def test_gpu_sampling_options(models_dir: Path) -> None:
 
 # ---------------------------------------------------------------------------------------- the stepped API on the GPU
 
-def run_alone(coord: stepllm.RuntimeCoordinator, request: stepllm.GenerationRequest) -> stepllm.GenerationResponse:
-    stepped = coord.begin_stepped(request)
-    stepped.prefill(stepllm.ImmutablePrefillBatch(target=stepped.founder()))
-    while stepped.residents():
-        stepped.decode(stepllm.ImmutableDecodeBatch(residents=stepped.residents()))
-    return stepped.finish()
-
-
 def assert_released(coord: stepllm.RuntimeCoordinator) -> None:
     c = coord.counts()
+    check_invariants(c)
     assert c["live_slots"] == 0 and c["leased_blocks"] == 0, c
-    assert c["free_slots"] == c["slot_capacity"], c
-    assert c["free_blocks"] + c["cached_blocks"] == c["total_blocks"], c
 
 
 def test_stepped_admission_mid_stream_on_gpu(models_dir: Path) -> None:

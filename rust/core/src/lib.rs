@@ -18,5 +18,7 @@ pub mod parallel;
 pub mod stepper;
 pub mod stepper_handle;
 pub mod text;
+#[doc(hidden)]
+pub mod test_support;
 
 pub use error::{Error, Result};

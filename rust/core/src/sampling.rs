@@ -154,8 +154,19 @@ fn apply_presence_frequency(logits: &mut [f32], output: &[u32], presence: f32, f
     }
 }
 
-fn is_greedy(params: &SamplingParams) -> bool {
+/// Greedy rows take the argmax (temperature 0, top_k 1, or a temperature too small to divide by).
+pub(crate) fn is_greedy(params: &SamplingParams) -> bool {
     params.is_greedy() || params.temperature < MIN_TEMPERATURE
+}
+
+/// Whether [`sample_row`] returns the argmax of the raw logits: greedy, and nothing in [`adjust_logits`]
+/// changes them. A GPU backend can then pick the token inside its forward.
+pub(crate) fn is_plain_argmax(params: &SamplingParams) -> bool {
+    is_greedy(params)
+        && params.logit_bias.is_empty()
+        && params.repetition_penalty == 1.0
+        && params.presence_penalty == 0.0
+        && params.frequency_penalty == 0.0
 }
 
 /// The first (lowest-id) maximum; NaN is never selected, and a row with no number at all gives 0.

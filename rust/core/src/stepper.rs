@@ -334,11 +334,11 @@ impl RuntimeStepper {
     }
 
     fn row(&self, r: ResidentRef) -> Result<&SequenceRow> {
-        self.session.get(r).ok_or_else(|| Error::Internal(format!("live slot {} has no session row", r.slot)))
+        self.session.get(r).ok_or_else(|| missing_row(r))
     }
 
     fn row_mut(&mut self, r: ResidentRef) -> Result<&mut SequenceRow> {
-        self.session.get_mut(r).ok_or_else(|| Error::Internal(format!("live slot {} has no session row", r.slot)))
+        self.session.get_mut(r).ok_or_else(|| missing_row(r))
     }
 
     /// The ragged batch: each sequence's uncomputed tokens, their positions and its block table. It is built in
@@ -405,7 +405,7 @@ impl RuntimeStepper {
         let max_model_len = self.config.max_model_len;
         let is_eos = self.eos_ids.contains(&s.token_id);
         // The row is borrowed from `session` directly (not through `row_mut`) so `tokenizer` stays borrowable.
-        let row = self.session.get_mut(r).ok_or_else(|| Error::Internal(format!("live slot {} has no session row", r.slot)))?;
+        let row = self.session.get_mut(r).ok_or_else(|| missing_row(r))?;
         row.output_ids.push(s.token_id);
         if let (Some(list), Some(lp)) = (row.logprobs.as_mut(), s.logprob) {
             list.push(lp);
@@ -470,6 +470,10 @@ impl RuntimeStepper {
         let execution = clock.stop();
         Ok(StepResult { ok, work, step_id, participants, execution, deltas, finished, published_prefix })
     }
+}
+
+fn missing_row(r: ResidentRef) -> Error {
+    Error::Internal(format!("live slot {} has no session row", r.slot))
 }
 
 /// A step's measurements while it runs; [`StepClock::stop`] turns them into its execution record once the

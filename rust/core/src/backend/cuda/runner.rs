@@ -13,7 +13,7 @@ use cudarc::driver::{sys, CudaGraph};
 use super::backend::{CudaBackend, DeviceLogits, MetaLayout};
 use super::device::{DeviceBuffer, PinnedBuffer};
 use super::sampler::Sampler;
-use crate::backend::{AttentionShape, BatchPlan};
+use crate::backend::BatchPlan;
 use crate::error::{protocol, Error, Result};
 use crate::model::llama::LlamaModel;
 use crate::model::{ForwardBatch, ModelConfig, ModelRunner, SeqSlice, StepTiming};
@@ -68,16 +68,6 @@ impl CudaRunner {
         Self { model, backend, sampler: Sampler::default(), graphs: None, kv: None, last_replayed: false, last_wait_us: 0 }
     }
 
-    fn attention_shape(config: &ModelConfig) -> AttentionShape {
-        AttentionShape {
-            num_heads: config.num_heads,
-            num_kv_heads: config.num_kv_heads,
-            head_dim: config.head_dim,
-            rope_theta: config.rope_theta,
-            qk_norm_eps: config.rms_norm_eps,
-        }
-    }
-
     /// Forward on the device, leaving the logits there (None for an empty batch).
     fn forward_on_device(&mut self, batch: &ForwardBatch) -> Result<Option<DeviceLogits>> {
         self.last_replayed = false;
@@ -107,7 +97,7 @@ impl CudaRunner {
             && batch.logits_for.iter().enumerate().all(|(i, &r)| i == r)
             && batch.logits_for.len() == n
             && batch.seqs.iter().all(|s| s.len == 1);
-        let Some(&(bucket, ref graph, mut logits)) = graphs.buckets.iter().find(|(b, ..)| *b >= n) else {
+        let Some(&(bucket, ref graph, logits)) = graphs.buckets.iter().find(|(b, ..)| *b >= n) else {
             return Ok(None);
         };
         if !decode {
@@ -133,11 +123,10 @@ impl CudaRunner {
             host[at..at + 5].copy_from_slice(&[i as u32, 1, 0, dummy_table as u32, 1]);
             host[lay.logits_rows + i] = i as u32;
         }
+        // The context is bound by forward_and_sample, the only caller.
         let gpu = self.backend.gpu();
-        gpu.bind()?;
         gpu.upload(graphs.meta.ptr(), &graphs.staging.as_slice()[..words])?;
         graph.0.launch().map_err(|e| Error::Device(format!("CUDA graph launch (batch {bucket}): {e:?}")))?;
-        logits.rows = n; // the padding rows' logits are there too, but nobody samples them
         Ok(Some(logits))
     }
 
@@ -154,7 +143,7 @@ impl CudaRunner {
         gpu.bind()?;
         let meta = gpu.alloc(layout.total * 4)?;
         let staging = PinnedBuffer::new(gpu, layout.total)?;
-        self.backend.reserve_attention(largest, &Self::attention_shape(self.model.config()))?;
+        self.backend.reserve_attention(largest, self.model.attention_shape())?;
         self.backend.reserve_logits_rows(largest)?;
         gpu.synchronize()?;
         {

@@ -11,14 +11,12 @@ use std::time::Instant;
 use super::backend::{CudaBackend, DeviceLogits};
 use super::device::{Arg, DeviceBuffer, PinnedBuffer};
 use crate::error::Result;
-use crate::sampling::{seeded_uniform, RowContext, Sampled};
+use crate::sampling::{is_greedy, is_plain_argmax, seeded_uniform, RowContext, Sampled};
 
 /// Words per row of `RowParams` in kernels/sampling.cu.
 const PARAM_WORDS: usize = 16;
 /// Index of the row's first bias pair within its `RowParams`.
 const BIAS_START_WORD: usize = 11;
-/// Below this temperature a row is greedy (as in sampling.rs).
-const MIN_TEMPERATURE: f32 = 1e-5;
 
 #[derive(Default)]
 pub struct Sampler {
@@ -35,15 +33,6 @@ pub struct Sampler {
     pub last_wait_us: u64,
 }
 
-/// A row that takes the plain argmax of its logits: greedy, with nothing that changes the logits first.
-fn plain_greedy(ctx: &RowContext) -> bool {
-    let p = ctx.params;
-    (p.is_greedy() || p.temperature < MIN_TEMPERATURE)
-        && p.logit_bias.is_empty()
-        && p.repetition_penalty == 1.0
-        && p.presence_penalty == 0.0
-        && p.frequency_penalty == 0.0
-}
 
 fn grow(backend: &CudaBackend, slot: &mut Option<DeviceBuffer>, bytes: usize) -> Result<u64> {
     if slot.as_ref().is_none_or(|b| b.bytes() < bytes) {
@@ -61,7 +50,7 @@ impl Sampler {
         if n == 0 {
             return Ok(Vec::new());
         }
-        let tokens = if rows.iter().all(plain_greedy) { self.argmax_tokens(backend, logits.argmax, n)? } else { self.draw(backend, logits.ptr, vocab, rows)? };
+        let tokens = if rows.iter().all(|ctx| is_plain_argmax(ctx.params)) { self.argmax_tokens(backend, logits.argmax, n)? } else { self.draw(backend, logits.ptr, vocab, rows)? };
         let gpu = backend.gpu();
         let mut sampled = Vec::with_capacity(n);
         for (i, ctx) in rows.iter().enumerate() {
@@ -152,7 +141,7 @@ impl Sampler {
             } else {
                 (0, 0)
             };
-            let greedy = p.is_greedy() || p.temperature < MIN_TEMPERATURE;
+            let greedy = is_greedy(p);
             let u = seeded_uniform(ctx.seed, ctx.position).to_bits();
             let words = [
                 p.temperature.to_bits(),
