@@ -384,6 +384,7 @@ __device__ void paged_attention(const bf16* __restrict__ qkv, int width, const u
         const bf16* qkv, int width, const u32* positions, const u32* token_seq, const u32* seq_info,           \
         const u32* block_tables, const bf16* k_cache, const bf16* v_cache, int block_size, int num_kv_heads,    \
         float scale, bf16* out, float* partial, u32* counters) {                                                \
+        kernel_begin();                                                                                         \
         paged_attention<D, G>(qkv, width, positions, token_seq, seq_info, block_tables, k_cache, v_cache,      \
                               block_size, num_kv_heads, scale, out, partial, counters);                         \
     }

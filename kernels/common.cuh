@@ -6,6 +6,25 @@
 typedef __nv_bfloat16 bf16;
 typedef unsigned int u32;
 
+// Programmatic dependent launch (sm_90+, the PTX built with -DSTEPLLM_PDL): the host launches each kernel so it
+// may start while the previous one is still running. `pdl_wait` blocks until that kernel has finished and its
+// writes are visible, so every kernel calls it, unconditionally, before it touches anything another kernel writes
+// or reads (only constant weights may be read before). `pdl_launch_dependents` then lets the next kernel start
+// its own prologue. Without PDL, or in the compute_80 PTX, both are no-ops.
+#ifdef STEPLLM_PDL
+__device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+__device__ __forceinline__ void pdl_launch_dependents() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
+#else
+__device__ __forceinline__ void pdl_wait() {}
+__device__ __forceinline__ void pdl_launch_dependents() {}
+#endif
+
+// The start of every kernel that reads nothing before the previous kernel is done.
+__device__ __forceinline__ void kernel_begin() {
+    pdl_wait();
+    pdl_launch_dependents();
+}
+
 // Round through bf16: used where transformers rounds an intermediate to bf16, so our outputs match it.
 __device__ __forceinline__ float bf16r(float x) { return __bfloat162float(__float2bfloat16(x)); }
 

@@ -111,6 +111,9 @@ __device__ void gemv(const bf16* __restrict__ x, const float* __restrict__ norm_
     int first = blockIdx.x * rows_per_block;
     uint4 wv[R][GEMV_UNROLL];
     load_weights<R>(w, first + warp / warps_per_row, cols, K, start, step, wv);
+    // The weights are constant, so their first loads may overlap the previous kernel (PDL); nothing else may.
+    pdl_wait();
+    pdl_launch_dependents();
     stage_input<M, IN>(x, norm_w, eps, K, xs, inv);
 
     // Block-uniform loop, so the barriers inside are safe.
@@ -180,8 +183,13 @@ __device__ void gemv(const bf16* __restrict__ x, const float* __restrict__ norm_
     }
 }
 
+// One- and two-row projections are capped at 64 registers so 4 blocks fit on a multiprocessor: a Qwen3-0.6B
+// QKV projection (512 blocks) then runs in one wave on an H200. The gate/up variants hold two weight rows per
+// warp and would spill under that cap; larger M keeps whatever registers it needs.
+#define GEMV_MIN_BLOCKS(M, OUT) ((OUT) != OUT_SILU && (M) <= 2 ? 4 : 1)
+
 #define GEMV_VARIANT(M, IN, OUT, NAME)                                                                          \
-    extern "C" __global__ void __launch_bounds__(GEMV_THREADS) NAME##_m##M(                                    \
+    extern "C" __global__ void __launch_bounds__(GEMV_THREADS, GEMV_MIN_BLOCKS(M, OUT)) NAME##_m##M(              \
         const bf16* x, const float* norm_w, float eps, const bf16* w, const float* bias, bf16* y, int N, int K,  \
         int wpr) {                                                                                               \
         gemv<M, IN, OUT>(x, norm_w, eps, w, bias, y, N, K, wpr);                                                 \
@@ -206,6 +214,7 @@ GEMV_ALL(8)
 // keys[r] = max over v of (key(logits[r, v]) << 32 | ~v): the first maximum of each row, as the greedy sampler
 // picks it (NaN never wins). keys must be zero before the launch. grid: (rows, blocks per row); V % 8 == 0.
 extern "C" __global__ void argmax_rows(const bf16* __restrict__ logits, int V, unsigned long long* __restrict__ keys) {
+    kernel_begin();
     __shared__ unsigned long long best_of_warp[32];
     const int r = blockIdx.x;
     const uint4* row = reinterpret_cast<const uint4*>(logits + (size_t)r * V);

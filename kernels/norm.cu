@@ -25,6 +25,7 @@ __device__ __forceinline__ void normalize_row(const bf16* x, const float* w, flo
 // out = rms_norm(x) * w. grid: rows; cols % 8 == 0.
 extern "C" __global__ void rms_norm(const bf16* __restrict__ x, const float* __restrict__ w, float eps,
                                     bf16* __restrict__ out, int cols) {
+    kernel_begin();
     __shared__ float scratch[32];
     const size_t r = blockIdx.x;
     normalize_row(x + r * cols, w, eps, out + r * cols, cols, scratch);

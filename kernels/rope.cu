@@ -9,6 +9,7 @@ extern "C" __global__ void rope_write_kv(bf16* __restrict__ qkv, int width, cons
                                          const u32* __restrict__ positions, const u32* __restrict__ slots,
                                          bf16* __restrict__ k_cache, bf16* __restrict__ v_cache, int num_heads,
                                          int num_kv_heads, int head_dim, float theta) {
+    kernel_begin();
     __shared__ float scratch[32];
     const int t = blockIdx.x, h = blockIdx.y;
     const int half = head_dim / 2, kv_dim = num_kv_heads * head_dim;

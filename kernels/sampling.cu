@@ -108,6 +108,7 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
     sample_rows(const bf16* __restrict__ logits, int V, const RowParams* __restrict__ params,
                 const u32* __restrict__ ids, const u32* __restrict__ bias, float* __restrict__ work,
                 unsigned char* __restrict__ keep, u32* __restrict__ out_tokens) {
+    kernel_begin();
     __shared__ float fscratch[32];
     __shared__ u32 uscratch[32];
     __shared__ double dscratch[32];

@@ -1,4 +1,5 @@
-//! Compiles kernels/*.cu to PTX (compute_80, so the driver JITs it for sm_80..sm_110) and embeds it.
+//! Compiles kernels/*.cu to PTX and embeds it, twice: for compute_80 (the driver JITs it for sm_80 and up) and
+//! for compute_90 with programmatic dependent launch (`-DSTEPLLM_PDL`), which Hopper and newer load instead.
 //!
 //! nvcc is looked up in $NVCC, then in the PyPI package (`pip install "cuda-toolkit[nvcc,cccl]==13.0.*"`),
 //! then on PATH. Without nvcc the build still succeeds: the CUDA backend then reports, at run time, that
@@ -68,39 +69,56 @@ fn find_nvcc() -> Option<PathBuf> {
     env::split_paths(&path).map(|d| d.join("nvcc")).find(|p| p.is_file())
 }
 
-/// Compile every source in parallel (one nvcc per file) and return (module name, ptx path).
-fn compile_all(nvcc: &Path, include: &Path, sources: &[PathBuf], out_dir: &Path) -> Vec<(String, PathBuf)> {
+/// One module's PTX: (name, compute_80 PTX, compute_90 PTX with PDL).
+type Module = (String, PathBuf, PathBuf);
+
+/// Compile every source for both targets in parallel (one nvcc per file and target).
+fn compile_all(nvcc: &Path, include: &Path, sources: &[PathBuf], out_dir: &Path) -> Vec<Module> {
+    let compile = |src: &Path, ptx: &Path, flags: &[&str]| {
+        Command::new(nvcc)
+            .args(["--ptx", "-O3", "-std=c++17"])
+            .args(flags)
+            .arg("-I")
+            .arg(include)
+            .arg("-o")
+            .arg(ptx)
+            .arg(src)
+            .spawn()
+            .unwrap_or_else(|e| panic!("cannot run {}: {e}", nvcc.display()))
+    };
     let jobs: Vec<_> = sources
         .iter()
         .map(|src| {
             let name = src.file_stem().unwrap().to_string_lossy().into_owned();
-            let ptx = out_dir.join(format!("{name}.ptx"));
-            let child = Command::new(nvcc)
-                .args(["--ptx", "-arch=compute_80", "-O3", "-std=c++17"])
-                .arg("-I")
-                .arg(include)
-                .arg("-o")
-                .arg(&ptx)
-                .arg(src)
-                .spawn()
-                .unwrap_or_else(|e| panic!("cannot run {}: {e}", nvcc.display()));
-            (name, ptx, child)
+            let base = out_dir.join(format!("{name}.ptx"));
+            let pdl = out_dir.join(format!("{name}.sm90.ptx"));
+            let children =
+                [compile(src, &base, &["-arch=compute_80"]), compile(src, &pdl, &["-arch=compute_90", "-DSTEPLLM_PDL"])];
+            (name, base, pdl, children)
         })
         .collect();
     jobs.into_iter()
-        .map(|(name, ptx, mut child)| {
-            let status = child.wait().expect("nvcc did not run");
-            assert!(status.success(), "nvcc failed on kernels/{name}.cu (see the error above)");
-            (name, ptx)
+        .map(|(name, base, pdl, children)| {
+            for mut child in children {
+                let status = child.wait().expect("nvcc did not run");
+                assert!(status.success(), "nvcc failed on kernels/{name}.cu (see the error above)");
+            }
+            (name, base, pdl)
         })
         .collect()
 }
 
-fn write_table(out_dir: &Path, modules: &[(String, PathBuf)]) {
-    let mut code = String::from("/// (module name, PTX source) for every kernels/*.cu; empty when built without nvcc.\n");
-    code.push_str("pub const PTX_MODULES: &[(&str, &str)] = &[\n");
-    for (name, path) in modules {
-        code.push_str(&format!("    ({name:?}, include_str!({:?})),\n", path.display().to_string()));
+fn write_table(out_dir: &Path, modules: &[Module]) {
+    let mut code = String::from(
+        "/// (module name, compute_80 PTX, compute_90 PTX with PDL) for every kernels/*.cu; empty without nvcc.\n",
+    );
+    code.push_str("pub const PTX_MODULES: &[(&str, &str, &str)] = &[\n");
+    for (name, base, pdl) in modules {
+        code.push_str(&format!(
+            "    ({name:?}, include_str!({:?}), include_str!({:?})),\n",
+            base.display().to_string(),
+            pdl.display().to_string()
+        ));
     }
     code.push_str("];\n");
     fs::write(out_dir.join("ptx_modules.rs"), code).unwrap();

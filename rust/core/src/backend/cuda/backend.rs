@@ -234,6 +234,8 @@ pub(super) struct Inner {
     gemv_max_rows: usize,
     /// Dynamic shared memory a GEMV block may use (it holds the block's input rows).
     gemv_smem: usize,
+    /// ((kind, rows, dynamic shared memory), blocks resident per multiprocessor), filled as launches ask.
+    gemv_occupancy: Mutex<Vec<((usize, usize, u32), usize)>>,
     pub state: Mutex<State>,
 }
 
@@ -258,7 +260,8 @@ impl CudaBackend {
             gemv_smem = gemv_smem.min(gpu.allow_max_dynamic_shared_memory(*f)?);
         }
         let state = Mutex::new(State::default());
-        Ok(Self { inner: Arc::new(Inner { gpu, blas, kernels, gemv_max_rows, gemv_smem, state }) })
+        let gemv_occupancy = Mutex::new(Vec::new());
+        Ok(Self { inner: Arc::new(Inner { gpu, blas, kernels, gemv_max_rows, gemv_smem, gemv_occupancy, state }) })
     }
 
     pub fn gpu(&self) -> &Gpu {
@@ -383,8 +386,12 @@ impl CudaBackend {
         let cols = if kind == GemvKind::NormSilu { n / 2 } else { n };
         let wpr = self.gemv_split(cols, k);
         let groups = cols.div_ceil(GEMV_WARPS / wpr);
-        // A block-stride loop covers the rest, so each block stages (and normalizes) its input only once.
-        let grid = groups.min(8 * self.inner.gpu.sm_count) as u32;
+        let f = self.inner.kernels.gemv[kind as usize][m - 1];
+        let smem = (m * k * 2) as u32;
+        // One wave: a second, partial wave would wait a whole DRAM round trip for the first. Blocks loop over
+        // the row groups (staging and normalizing their input once), and the groups are spread evenly.
+        let resident = self.gemv_blocks_per_multiprocessor(kind, m, f, smem)? * self.inner.gpu.sm_count;
+        let grid = groups.div_ceil(groups.div_ceil(resident)) as u32;
         let (norm_ptr, eps) = norm.map_or((0, 0.0), |(v, eps)| (v.buf.ptr(), eps));
         let args = [
             Arg::Ptr(x),
@@ -397,8 +404,18 @@ impl CudaBackend {
             Arg::I32(k as i32),
             Arg::I32(wpr as i32),
         ];
-        let f = self.inner.kernels.gemv[kind as usize][m - 1];
-        self.inner.gpu.launch_smem(f, (grid, 1, 1), GEMV_THREADS, (m * k * 2) as u32, &args)
+        self.inner.gpu.launch_smem(f, (grid, 1, 1), GEMV_THREADS, smem, &args)
+    }
+
+    fn gemv_blocks_per_multiprocessor(&self, kind: GemvKind, m: usize, f: Func, smem: u32) -> Result<usize> {
+        let key = (kind as usize, m, smem);
+        let mut known = self.inner.gemv_occupancy.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(&(_, blocks)) = known.iter().find(|(k, _)| *k == key) {
+            return Ok(blocks);
+        }
+        let blocks = self.inner.gpu.blocks_per_multiprocessor(f, GEMV_THREADS, smem)?;
+        known.push((key, blocks));
+        Ok(blocks)
     }
 
     /// `out = x · Wᵀ (+ bias)` on cuBLAS (the bias by a second kernel).

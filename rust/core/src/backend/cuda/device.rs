@@ -61,6 +61,9 @@ pub struct Gpu {
     pub stream: Arc<CudaStream>,
     modules: Vec<(&'static str, Arc<CudaModule>)>,
     pub sm_count: usize,
+    /// Kernels are launched with programmatic dependent launch (compute capability 9.0 and up, unless
+    /// STEPLLM_NO_PDL is set): each may start while the previous one finishes (see kernels/common.cuh).
+    pub pdl: bool,
 }
 
 impl Gpu {
@@ -86,17 +89,21 @@ impl Gpu {
         // SAFETY: we never share cudarc slices between streams.
         unsafe { ctx.disable_event_tracking() };
         let stream = ctx.new_stream().map_err(|e| device_err("creating a CUDA stream", e))?;
+        let attribute = |a, what: &str| ctx.attribute(a).map_err(|e| device_err(what, e));
+        let major = attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, "reading the compute capability")?;
+        let hopper_or_newer = major >= 9;
         let mut modules = Vec::new();
-        for (name, ptx) in PTX_MODULES {
+        for (name, base, pdl) in PTX_MODULES {
+            let ptx = if hopper_or_newer { *pdl } else { *base };
             let module = ctx
-                .load_module(cudarc::nvrtc::Ptx::from_src(*ptx))
+                .load_module(cudarc::nvrtc::Ptx::from_src(ptx))
                 .map_err(|e| device_err(&format!("loading PTX module {name} (driver too old for PTX 9.0?)"), e))?;
             modules.push((*name, module));
         }
-        let sm_count = ctx
-            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
-            .map_err(|e| device_err("reading the multiprocessor count", e))? as usize;
-        Ok(Self { ctx, stream, modules, sm_count })
+        let sm_count =
+            attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, "reading the multiprocessor count")? as usize;
+        let pdl = hopper_or_newer && std::env::var_os("STEPLLM_NO_PDL").is_none();
+        Ok(Self { ctx, stream, modules, sm_count, pdl })
     }
 
     /// Make the context current on the calling thread (the engine thread differs from the loading one).
@@ -135,9 +142,40 @@ impl Gpu {
         for (i, p) in ptrs.iter_mut().enumerate().take(args.len()) {
             *p = &mut slots[i] as *mut u64 as *mut c_void;
         }
-        // SAFETY: the argument slots outlive the call (the driver copies them at launch).
-        unsafe { result::launch_kernel(f.0, grid, (block, 1, 1), smem, self.cu_stream(), &mut ptrs[..args.len()]) }
-            .map_err(|e| device_err("kernel launch", e))
+        if !self.pdl {
+            // SAFETY: the argument slots outlive the call (the driver copies them at launch).
+            return unsafe { result::launch_kernel(f.0, grid, (block, 1, 1), smem, self.cu_stream(), &mut ptrs[..args.len()]) }
+                .map_err(|e| device_err("kernel launch", e));
+        }
+        // SAFETY: a zeroed attribute union is valid; we set the one field the id names.
+        let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+        attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+        attr.value.programmaticStreamSerializationAllowed = 1;
+        let config = sys::CUlaunchConfig {
+            gridDimX: grid.0,
+            gridDimY: grid.1,
+            gridDimZ: grid.2,
+            blockDimX: block,
+            blockDimY: 1,
+            blockDimZ: 1,
+            sharedMemBytes: smem,
+            hStream: self.cu_stream(),
+            attrs: &mut attr,
+            numAttrs: 1,
+        };
+        // SAFETY: config, attr and the argument slots outlive the call (the driver copies them at launch).
+        unsafe { sys::cuLaunchKernelEx(&config, f.0, ptrs.as_mut_ptr(), std::ptr::null_mut()) }
+            .result()
+            .map_err(|e| device_err("kernel launch (programmatic dependent launch)", e))
+    }
+
+    /// How many blocks of `f` (with `block` threads and `smem` bytes of dynamic shared memory) fit on one
+    /// multiprocessor at once.
+    pub fn blocks_per_multiprocessor(&self, f: Func, block: u32, smem: u32) -> Result<usize> {
+        // SAFETY: a valid function handle of a loaded module.
+        let n = unsafe { result::occupancy::max_active_block_per_multiprocessor(f.0, block as i32, smem as usize) }
+            .map_err(|e| device_err("cuOccupancyMaxActiveBlocksPerMultiprocessor", e))?;
+        Ok((n.max(1)) as usize)
     }
 
     /// Most dynamic shared memory one block may opt in to on this device.
