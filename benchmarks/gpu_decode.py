@@ -181,10 +181,12 @@ def mixed_run(path: Path, n: int, paths: list[str], lo: int = 100, hi: int = 102
         return stepllm.GenerationRequest(ids, stepllm.SamplingParams(max_tokens=out, temperature=0.0, ignore_eos=True))
 
     warm = request(list(range(2, 18)), 4)  # not a prefix of any request: no cache hit later
-    res: dict = {"requests": n, "prompt_tokens": sum(len(p) for p, _ in work), "max_tokens": sum(o for _, o in work)}
+    res: dict = {"requests": n, "prompt_tokens": sum(len(p) for p, _ in work), "max_tokens": sum(o for _, o in work),
+                 "kv_read_bytes": decode_kv_read_bytes(work, path)}
     for kind in paths:
         graphs = False
         if kind == "engine":
+            graphs = True  # Engine captures decode graphs when it starts (it warns and decodes eagerly if it cannot)
             engine = stepllm.Engine(cfg)
             try:
                 engine.submit(warm).wait()
@@ -211,6 +213,28 @@ def mixed_run(path: Path, n: int, paths: list[str], lo: int = 100, hi: int = 102
         generated = sum(len(r.output_ids) for r in out)
         res[kind] = {"total_s": dt, "generated": generated, "tok_s": generated / dt, "graphs": graphs}
     return res
+
+
+# HBM3e bandwidth of one H200 by its data sheet; a device-to-device copy reaches about 4.3 TB/s.
+H200_PEAK_BYTES_PER_S = 4.8e12
+
+
+def decode_kv_read_bytes(work: list[tuple[list[int], int]], path: Path) -> int:
+    """Bytes of K and V that the workload's decode steps must read at the least: the token that follows a
+    context of c tokens reads all c of them (every layer, K and V, bf16), whatever the batching."""
+    cfg = json.loads((path / "config.json").read_text())
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    per_token = cfg["num_hidden_layers"] * 2 * cfg["num_key_value_heads"] * head_dim * 2
+    contexts = sum(len(p) * o + o * (o - 1) // 2 for p, o in work)
+    return contexts * per_token
+
+
+def mixed_floor_line(res: dict) -> str:
+    floor_s = res["kv_read_bytes"] / H200_PEAK_BYTES_PER_S
+    best = max(r["generated"] for k, r in res.items() if isinstance(r, dict) and "generated" in r)
+    return (f"mixed: decode attention must read {res['kv_read_bytes'] / 1e12:.2f} TB of K/V: {floor_s:.2f} s at "
+            f"{H200_PEAK_BYTES_PER_S / 1e12:.1f} TB/s, so at most {best / floor_s:,.0f} output tok/s before any weight, "
+            f"prefill or host time")
 
 
 def mixed_line(shape: str, kind: str, res: dict) -> str:
@@ -260,6 +284,7 @@ def main() -> None:
             for kind in args.mixed_paths:
                 mixed_rows.append((shape, kind, mixed))
                 print(mixed_line(shape, kind, mixed), flush=True)
+            print(mixed_floor_line(mixed), flush=True)
     # GEMV-vs-cuBLAS crossover at small batches (STEPLLM_GEMV_MAX_ROWS: 0 = cuBLAS only).
     import os
 

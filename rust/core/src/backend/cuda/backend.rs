@@ -28,6 +28,8 @@ const GEMV_THREADS: u32 = 256;
 const GEMV_WARPS: usize = 8;
 /// Most blocks one (token, kv head) of attention is split over.
 const MAX_ATTENTION_SPLITS: usize = 16;
+/// Heads (one warp each) per block of the RoPE kernel: ROPE_WARPS in kernels/rope.cu.
+const ROPE_WARPS: usize = 4;
 
 /// What a GEMV launch does around the product (kernels/gemv.cu).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -673,8 +675,11 @@ impl Backend for CudaBackend {
         layer: usize,
     ) -> Result<()> {
         check_attention(qkv, shape, batch, cache, layer)?;
-        if shape.head_dim > 256 || !shape.head_dim.is_multiple_of(2) {
-            return Err(Error::Device(format!("the CUDA RoPE kernel supports even head_dim <= 256, not {}", shape.head_dim)));
+        if shape.head_dim > 256 || !shape.head_dim.is_multiple_of(8) {
+            return Err(Error::Device(format!(
+                "the CUDA RoPE kernel supports head_dim <= 256 and a multiple of 8, not {}",
+                shape.head_dim
+            )));
         }
         let (qn, kn) = qk_norm.map_or((0, 0), |(q, k)| (q.buf.ptr(), k.buf.ptr()));
         let heads = shape.num_heads + 2 * shape.num_kv_heads;
@@ -694,7 +699,8 @@ impl Backend for CudaBackend {
             Arg::I32(shape.head_dim as i32),
             Arg::F32(shape.rope_theta),
         ];
-        self.inner.gpu.launch(self.inner.kernels.rope, (batch.n_tokens as u32, heads as u32, 1), 64, &args)
+        let grid = (batch.n_tokens as u32, heads.div_ceil(ROPE_WARPS) as u32, 1);
+        self.inner.gpu.launch(self.inner.kernels.rope, grid, 32 * ROPE_WARPS as u32, &args)
     }
 
     fn paged_attention(
