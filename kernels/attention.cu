@@ -107,7 +107,7 @@ __device__ void paged_attention(const bf16* __restrict__ qkv, int width, const u
     __shared__ bool is_last;
 
     const int t = blockIdx.x, g = blockIdx.y, split = blockIdx.z, max_splits = gridDim.z;
-    const int num_heads = num_kv_heads * G, kv_dim = num_kv_heads * D;
+    const int num_heads = num_kv_heads * G;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int li = lane % LANES, gi = lane / LANES;
     const float qscale = scale * 1.4426950408889634f;  // scores in log2 units
@@ -168,7 +168,8 @@ __device__ void paged_attention(const bf16* __restrict__ qkv, int width, const u
 
     const FastDiv bdiv((u32)block_size);
     const int off0 = warp * GROUPS + gi;  // this lane-group's position within a sub-step
-    const size_t head_off = (size_t)g * D + li * 8;
+    // The cache is [block][kv head][position in block][D]: one head's positions of a block are contiguous.
+    const size_t head_base = (size_t)g * block_size * D + li * 8;
     // Block-table entries of the positions of one step (prefetched one step ahead).
     u32 blk[U];
 #pragma unroll
@@ -186,8 +187,7 @@ __device__ void paged_attention(const bf16* __restrict__ qkv, int width, const u
             const int p = base + u * NG + off0;
             if (p < end) {
                 const u32 bi = bdiv.div((u32)p);
-                const size_t slot = (size_t)blk[u] * block_size + (p - bi * block_size);
-                const size_t at = slot * kv_dim + head_off;
+                const size_t at = ((size_t)blk[u] * num_kv_heads * block_size + (p - bi * block_size)) * D + head_base;
                 kr[u] = __ldcg(reinterpret_cast<const uint4*>(k_cache + at));
                 vr[u] = __ldcg(reinterpret_cast<const uint4*>(v_cache + at));
             } else {

@@ -15,20 +15,25 @@ extern "C" __global__ void __launch_bounds__(32 * ROPE_WARPS)
     rope_write_kv(bf16* __restrict__ qkv, int width, const float* __restrict__ q_norm,
                   const float* __restrict__ k_norm, int has_norm, float eps, const u32* __restrict__ positions,
                   const u32* __restrict__ slots, bf16* __restrict__ k_cache, bf16* __restrict__ v_cache,
-                  int num_heads, int num_kv_heads, int head_dim, float theta) {
+                  int num_heads, int num_kv_heads, int head_dim, float theta, int block_size) {
     const int t = blockIdx.x, lane = threadIdx.x & 31;
     const int h = blockIdx.y * ROPE_WARPS + (threadIdx.x >> 5);
     // Batch metadata is copied in before the forward's first kernel, so it may be read before the wait.
     const float pos = (float)positions[t];
-    const size_t slot = slots[t];
+    const u32 slot = slots[t];
     pdl_wait();
     pdl_launch_dependents();
     if (h >= num_heads + 2 * num_kv_heads) return;
-    const int half = head_dim / 2, kv_dim = num_kv_heads * head_dim;
+    const int half = head_dim / 2;
     const bool is_q = h < num_heads, is_v = h >= num_heads + num_kv_heads;
+    // The cache is [block][kv head][position in block][head_dim] (attention reads one head's positions of a
+    // block as one contiguous run); this head of this slot starts at:
+    const int kv_head = is_v ? h - num_heads - num_kv_heads : h - num_heads;
+    const size_t cache_at =
+        (((size_t)(slot / block_size) * num_kv_heads + kv_head) * block_size + slot % block_size) * head_dim;
     bf16* head = qkv + (size_t)t * width + (size_t)h * head_dim;
     if (is_v) {
-        uint4* dst = reinterpret_cast<uint4*>(v_cache + slot * kv_dim + (size_t)(h - num_heads - num_kv_heads) * head_dim);
+        uint4* dst = reinterpret_cast<uint4*>(v_cache + cache_at);
         for (int i = lane; i < head_dim / 8; i += 32) dst[i] = __ldcg(reinterpret_cast<const uint4*>(head) + i);
         return;
     }
@@ -53,7 +58,7 @@ extern "C" __global__ void __launch_bounds__(32 * ROPE_WARPS)
             }
         }
     }
-    bf16* kdst = k_cache + slot * kv_dim + (size_t)(h - num_heads) * head_dim;
+    bf16* kdst = k_cache + cache_at;  // only written for K heads
 #pragma unroll
     for (int j = 0; j < ROPE_PAIRS; j++) {
         const int i = lane + 32 * j;

@@ -190,8 +190,9 @@ pub struct CudaVector {
     len: usize,
 }
 
-/// K and V of every layer as `[num_blocks + 1][block_size][kv_dim]` bf16. The extra last block is the
-/// dummy that padded rows of a graph replay write to and read from.
+/// K and V of every layer as `[num_blocks + 1][num_kv_heads][block_size][head_dim]` bf16: attention reads one
+/// head's positions of a block as one contiguous run (kernels/rope.cu writes, kernels/attention.cu reads). The
+/// extra last block is the dummy that padded rows of a graph replay write to and read from.
 pub struct CudaKvCache {
     shape: KvCacheShape,
     keys: Vec<DeviceBuffer>,
@@ -698,6 +699,7 @@ impl Backend for CudaBackend {
             Arg::I32(shape.num_kv_heads as i32),
             Arg::I32(shape.head_dim as i32),
             Arg::F32(shape.rope_theta),
+            Arg::I32(cache.shape.block_size as i32),
         ];
         let grid = (batch.n_tokens as u32, heads.div_ceil(ROPE_WARPS) as u32, 1);
         self.inner.gpu.launch(self.inner.kernels.rope, grid, 32 * ROPE_WARPS as u32, &args)
