@@ -186,7 +186,8 @@ def mixed_run(path: Path, n: int, paths: list[str], lo: int = 100, hi: int = 102
     for kind in paths:
         graphs = False
         if kind == "engine":
-            graphs = True  # Engine captures decode graphs when it starts (it warns and decodes eagerly if it cannot)
+            # Engine captures decode graphs when it starts on a GPU (it warns and decodes eagerly if it cannot).
+            graphs = device == "cuda"
             engine = stepllm.Engine(cfg)
             try:
                 engine.submit(warm).wait()

@@ -1,0 +1,44 @@
+"""The GPU benchmark's bookkeeping, run on the CPU with the tiny fixture: the stepped host-tick loop, the mixed
+workload through both paths, and the K/V-read floor it reports (checked against a direct sum)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from conftest import model_dir
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import gpu_decode  # noqa: E402
+
+
+def test_kv_read_floor_counts_every_context_a_decode_step_reads() -> None:
+    path = Path(model_dir("llama"))
+    cfg = json.loads((path / "config.json").read_text())
+    work = gpu_decode.mixed_workload(cfg["vocab_size"], n=7, lo=3, hi=9, seed=5)
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    per_token = cfg["num_hidden_layers"] * 2 * cfg["num_key_value_heads"] * head_dim * 2
+    # the k-th generated token (k = 0..out-1) follows a context of prompt + k tokens
+    direct = sum(len(p) + k for p, out in work for k in range(out)) * per_token
+    assert gpu_decode.decode_kv_read_bytes(work, path) == direct
+
+
+def test_host_ticks_run_keeps_every_row_for_every_tick_on_cpu() -> None:
+    res = gpu_decode.host_ticks_run(Path(model_dir("llama")), [1, 3], prompt_len=6, ticks=4, warmup=1, device="cpu")
+    for b in (1, 3):
+        r = res[b]
+        assert r["ticks"] == 4 and r["graph_ticks"] == 0  # no graphs on the CPU
+        assert r["elapsed_us"] >= r["device_wait_us"] >= 0
+        assert r["host_us"] == r["elapsed_us"] - r["device_wait_us"]
+
+
+def test_mixed_run_generates_every_budgeted_token_on_both_paths() -> None:
+    path = Path(model_dir("llama"))
+    res = gpu_decode.mixed_run(path, 5, ["engine", "dispatch"], lo=3, hi=8, seed=2, device="cpu")
+    for kind in ("engine", "dispatch"):
+        assert res[kind]["generated"] == res["max_tokens"]
+        assert res[kind]["graphs"] is False
+        assert kind in gpu_decode.mixed_line("llama", kind, res)
+    assert res["kv_read_bytes"] > 0
+    assert "output tok/s" in gpu_decode.mixed_floor_line(res)
