@@ -72,6 +72,7 @@ impl RequestEngine {
             commands: rx,
             waiting: VecDeque::new(),
             running: HashMap::new(),
+            by_resident: HashMap::new(),
             stats: Arc::clone(&stats),
         };
         let thread = std::thread::Builder::new()
@@ -141,6 +142,8 @@ struct Actor {
     commands: Receiver<Command>,
     waiting: VecDeque<(AdmissionIntent, Sender<EngineEvent>)>,
     running: HashMap<RequestId, Running>,
+    /// The request of each live resident, so a step's deltas find their streams without a scan.
+    by_resident: HashMap<ResidentRef, RequestId>,
     stats: Arc<Mutex<EngineStats>>,
 }
 
@@ -197,6 +200,7 @@ impl Actor {
                     let resident = adm.resident.expect("admitted");
                     self.add_stat(|s| s.prompt_tokens += head.prompt_ids.len() as u64);
                     self.running.insert(head.request_id, Running { events, resident, streamed_tokens: 0, streamed_text: 0 });
+                    self.by_resident.insert(resident, head.request_id);
                     let step = self.stepper.prefill(&ImmutablePrefillBatch { target: resident })?;
                     self.deliver(step);
                     return Ok(());
@@ -220,20 +224,24 @@ impl Actor {
 
     fn deliver(&mut self, step: StepResult) {
         let mut gone = Vec::new();
-        self.add_stat(|s| s.steps += 1);
+        let mut generated = 0u64;
         for (r, delta) in step.deltas {
-            let Some((id, run)) = self.running.iter_mut().find(|(_, run)| run.resident == r) else { continue };
+            let Some(&id) = self.by_resident.get(&r) else { continue };
+            let Some(run) = self.running.get_mut(&id) else { continue };
             run.streamed_tokens += delta.token_ids.len();
             run.streamed_text += delta.text.len();
-            let n = delta.token_ids.len() as u64;
+            generated += delta.token_ids.len() as u64;
             if run.events.send(EngineEvent::Delta { token_ids: delta.token_ids, text: delta.text }).is_err() {
-                gone.push(*id); // the caller dropped its stream: cancel so the next tick frees its slot
+                gone.push(id); // the caller dropped its stream: cancel so the next tick frees its slot
             }
-            self.add_stat(|s| s.generated_tokens += n);
         }
+        self.add_stat(|s| {
+            s.steps += 1;
+            s.generated_tokens += generated;
+        });
         for (_, batch) in step.finished {
             let id = batch.identity.request_id;
-            let Some(run) = self.running.remove(&id) else { continue };
+            let Some(run) = self.forget(id) else { continue };
             let response = materialize(&batch, &[]);
             let tail_tokens = response.output_ids[run.streamed_tokens.min(response.output_ids.len())..].to_vec();
             let tail_text = response.output_text.get(run.streamed_text..).unwrap_or("").to_string();
@@ -254,7 +262,7 @@ impl Actor {
 
     fn abort_everything(&mut self) {
         for (_, batch) in self.stepper.abort_all() {
-            if let Some(run) = self.running.remove(&batch.identity.request_id) {
+            if let Some(run) = self.forget(batch.identity.request_id) {
                 let _ = run.events.send(EngineEvent::Finished(materialize(&batch, &[])));
             }
         }
@@ -273,7 +281,7 @@ impl Actor {
     /// A step failed as a whole (a bug or a device failure): fail everyone, free everything, keep serving.
     fn fail_everything(&mut self, e: &Error) {
         for (_, batch) in self.stepper.abort_all() {
-            if let Some(run) = self.running.remove(&batch.identity.request_id) {
+            if let Some(run) = self.forget(batch.identity.request_id) {
                 let mut response = materialize(&batch, &[]);
                 response.finish_reason = FinishReason::Error;
                 response.error = Some(e.to_string());
@@ -285,6 +293,13 @@ impl Actor {
 
     fn count_finish(&self, reason: FinishReason) {
         self.add_stat(|s| *s.finished.entry(reason.as_str().to_string()).or_default() += 1);
+    }
+
+    /// Stop tracking request `id` (finished, aborted or failed); returns its streams.
+    fn forget(&mut self, id: RequestId) -> Option<Running> {
+        let run = self.running.remove(&id)?;
+        self.by_resident.remove(&run.resident);
+        Some(run)
     }
 
     fn add_stat(&self, f: impl FnOnce(&mut EngineStats)) {

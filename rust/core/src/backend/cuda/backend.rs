@@ -230,6 +230,9 @@ pub(super) struct State {
     staging: Vec<u32>,
 }
 
+/// (GEMV kind, rows, bytes of dynamic shared memory): what a GEMV kernel's occupancy depends on.
+type GemvShape = (usize, usize, u32);
+
 pub(super) struct Inner {
     pub gpu: Gpu,
     blas: Blas,
@@ -237,8 +240,8 @@ pub(super) struct Inner {
     gemv_max_rows: usize,
     /// Dynamic shared memory a GEMV block may use (it holds the block's input rows).
     gemv_smem: usize,
-    /// ((kind, rows, dynamic shared memory), blocks resident per multiprocessor), filled as launches ask.
-    gemv_occupancy: Mutex<Vec<((usize, usize, u32), usize)>>,
+    /// Blocks resident per multiprocessor of each GEMV launch shape, filled as launches ask.
+    gemv_occupancy: Mutex<Vec<(GemvShape, usize)>>,
     pub state: Mutex<State>,
 }
 
