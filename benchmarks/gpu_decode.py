@@ -113,15 +113,7 @@ def host_ticks_run(path: Path, batches: list[int], prompt_len: int, ticks: int, 
     for b in batches:
         stepped = coord.begin_stepped(request(), request_id=1, original_index=0)
         try:
-            stepped.prefill(stepllm.ImmutablePrefillBatch(target=stepped.founder()))
-            for i in range(1, b):
-                adm = stepped.admit(request(), original_index=i, request_id=i + 1)
-                if adm.status != stepllm.AdmissionStatus.ADMITTED:
-                    raise RuntimeError(f"host ticks: request {i} of {b} not admitted: {adm.status} {adm.reason}")
-                stepped.prefill(stepllm.ImmutablePrefillBatch(target=adm.ref))
-            batch = stepllm.ImmutableDecodeBatch(residents=stepped.residents())
-            if len(batch.residents) != b:
-                raise RuntimeError(f"host ticks: {len(batch.residents)} residents, expected {b}")
+            batch = seat_residents(stepped, request, b)
             for _ in range(warmup):
                 stepped.decode(batch)
             steps = []
@@ -145,6 +137,21 @@ def host_ticks_run(path: Path, batches: list[int], prompt_len: int, ticks: int, 
             "ticks": ticks,
         }
     return res
+
+
+def seat_residents(stepped, request, b: int) -> stepllm.ImmutableDecodeBatch:
+    """Prefill the founder of a fresh stepped session, admit and prefill b - 1 more `request()`s, and return
+    the decode batch of all b residents."""
+    stepped.prefill(stepllm.ImmutablePrefillBatch(target=stepped.founder()))
+    for i in range(1, b):
+        adm = stepped.admit(request(), original_index=i, request_id=i + 1)
+        if adm.status != stepllm.AdmissionStatus.ADMITTED:
+            raise RuntimeError(f"request {i} of {b} not admitted: {adm.status} {adm.reason}")
+        stepped.prefill(stepllm.ImmutablePrefillBatch(target=adm.ref))
+    batch = stepllm.ImmutableDecodeBatch(residents=stepped.residents())
+    if len(batch.residents) != b:
+        raise RuntimeError(f"{len(batch.residents)} residents, expected {b}")
+    return batch
 
 
 def host_ticks_line(shape: str, b: int, r: dict) -> str:

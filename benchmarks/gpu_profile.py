@@ -21,6 +21,7 @@ from pathlib import Path
 
 import gpu_models
 import stepllm
+from gpu_decode import seat_residents
 
 
 def profile_ticks(path: Path, batch: int, context: int, ticks: int, graphs: bool) -> tuple[dict[str, list[float]], float]:
@@ -40,13 +41,7 @@ def profile_ticks(path: Path, batch: int, context: int, ticks: int, graphs: bool
 
     stepped = coord.begin_stepped(request(), request_id=1, original_index=0)
     try:
-        stepped.prefill(stepllm.ImmutablePrefillBatch(target=stepped.founder()))
-        for i in range(1, batch):
-            adm = stepped.admit(request(), original_index=i, request_id=i + 1)
-            if adm.status != stepllm.AdmissionStatus.ADMITTED:
-                raise RuntimeError(f"request {i} of {batch} not admitted: {adm.status} {adm.reason}")
-            stepped.prefill(stepllm.ImmutablePrefillBatch(target=adm.ref))
-        decode = stepllm.ImmutableDecodeBatch(residents=stepped.residents())
+        decode = seat_residents(stepped, request, batch)
         for _ in range(5):
             stepped.decode(decode)
         torch.cuda.synchronize()

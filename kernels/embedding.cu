@@ -5,7 +5,8 @@
 extern "C" __global__ void embed(const bf16* __restrict__ table, const u32* __restrict__ tokens,
                                  bf16* __restrict__ out, int cols) {
     const size_t t = blockIdx.x;
-    // The token ids (batch metadata) and the table (weights) may be read before the wait; only the store may not.
+    // The token ids (batch metadata) and the table (weights) may be read before the wait (common.cuh); the
+    // store may not.
     const uint4* src = reinterpret_cast<const uint4*>(table + (size_t)tokens[t] * cols);
     uint4* dst = reinterpret_cast<uint4*>(out + t * cols);
     const int c0 = threadIdx.x;

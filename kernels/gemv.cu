@@ -111,7 +111,7 @@ __device__ void gemv(const bf16* __restrict__ x, const float* __restrict__ norm_
     int first = blockIdx.x * rows_per_block;
     uint4 wv[R][GEMV_UNROLL];
     load_weights<R>(w, first + warp / warps_per_row, cols, K, start, step, wv);
-    // The weights are constant, so their first loads may overlap the previous kernel (PDL); nothing else may.
+    // The weights are constant, so their first loads may overlap the previous kernel (common.cuh).
     pdl_wait();
     pdl_launch_dependents();
     stage_input<M, IN>(x, norm_w, eps, K, xs, inv);

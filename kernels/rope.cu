@@ -18,7 +18,7 @@ extern "C" __global__ void __launch_bounds__(32 * ROPE_WARPS)
                   int num_heads, int num_kv_heads, int head_dim, float theta, int block_size) {
     const int t = blockIdx.x, lane = threadIdx.x & 31;
     const int h = blockIdx.y * ROPE_WARPS + (threadIdx.x >> 5);
-    // Batch metadata is copied in before the forward's first kernel, so it may be read before the wait.
+    // Batch metadata may be read before the wait (common.cuh says why).
     const float pos = (float)positions[t];
     const u32 slot = slots[t];
     pdl_wait();
