@@ -10,7 +10,11 @@
 // merge reads all partial states of a (token, head) at once. A decode token with a short context costs:
 // metadata (positions/token_seq/q, then seq_info, then the block table), one K/V round trip, and, when
 // split, the partial store + fence + ticket + one read of the partials.
-#include "common.cuh"
+//
+// The paged_attention_rope kernels serve decode batches (one query token per sequence) and take the place
+// of the RoPE kernel there: each block rotates its group's query heads itself, and the block holding the
+// newest position rotates that token's K and writes K and V to the cache before it reads them back.
+#include "rope.cuh"
 
 #define ATTN_THREADS 128
 #define ATTN_WARPS (ATTN_THREADS / 32)
@@ -80,17 +84,29 @@ struct AttnConfig {
     static constexpr bool Q_SHARED = G >= 4;           // q lives in shared memory (saves G * 8 registers)
 };
 
+// The decode-only rotation of kernels/attention.cu's ROPE variant: per-head norm weights (null: none), their
+// epsilon, the RoPE base, and each token's cache slot.
+struct RopeArgs {
+    const float* q_norm;
+    const float* k_norm;
+    float eps;
+    float theta;
+    const u32* slots;
+};
+
 // grid: (tokens, num_kv_heads, max_splits); block: ATTN_THREADS. D = head_dim, G = query heads per kv head.
+// ROPE: q and k in qkv are not rotated yet and every sequence has one query token (see the top of the file).
 // seq_info holds 5 u32 per sequence: start, len, past_len, table_start, table_len.
 // partial: tokens * num_heads * max_splits * (D + 2) floats, used as two arrays indexed by
 // row = (token * num_heads + head) * max_splits + split: acc[row][D], then (m, l)[row].
 // counters: tokens * num_kv_heads u32, all zero between launches (the merging block resets its counter).
-template <int D, int G>
+// The caches are not __restrict__: the ROPE variant writes the newest K/V and then reads them.
+template <int D, int G, bool ROPE>
 __device__ void paged_attention(const bf16* __restrict__ qkv, int width, const u32* __restrict__ positions,
                                 const u32* __restrict__ token_seq, const u32* __restrict__ seq_info,
-                                const u32* __restrict__ block_tables, const bf16* __restrict__ k_cache,
-                                const bf16* __restrict__ v_cache, int block_size, int num_kv_heads, float scale,
-                                bf16* __restrict__ out, float* __restrict__ partial, u32* __restrict__ counters) {
+                                const u32* __restrict__ block_tables, bf16* k_cache, bf16* v_cache,
+                                int block_size, int num_kv_heads, float scale, bf16* __restrict__ out,
+                                float* __restrict__ partial, u32* __restrict__ counters, RopeArgs rope) {
     constexpr int LANES = D / 8;            // lanes that share one position (16 bytes each)
     constexpr int GROUPS = 32 / LANES;      // positions per warp per sub-step
     constexpr int NG = GROUPS * ATTN_WARPS; // positions per block per sub-step
@@ -102,7 +118,9 @@ __device__ void paged_attention(const bf16* __restrict__ qkv, int width, const u
 
     __shared__ __align__(16) float s_acc[ATTN_WARPS][G][D];
     __shared__ float2 s_ml[ATTN_WARPS][G];
-    __shared__ __align__(16) float s_q[Q_SHARED ? G : 1][D];
+    // q, scaled; the ROPE variant rotates it here (a head's pairs sit in different lanes) even when the main
+    // loop keeps it in registers.
+    __shared__ __align__(16) float s_q[Q_SHARED || ROPE ? G : 1][D];
     __shared__ float2 s_split_ml[G][MAX_SPLITS];
     __shared__ bool is_last;
 
@@ -118,7 +136,9 @@ __device__ void paged_attention(const bf16* __restrict__ qkv, int width, const u
     const bf16* qrow = qkv + (size_t)t * width + (size_t)g * G * D;
     float q[Q_SHARED ? 1 : G][8];
     uint4 qraw[Q_SHARED ? (G * D / 8 + ATTN_THREADS - 1) / ATTN_THREADS : G];
-    if constexpr (Q_SHARED) {
+    if constexpr (ROPE) {
+        // q is read by rope_head below.
+    } else if constexpr (Q_SHARED) {
 #pragma unroll
         for (int j = 0; j < (int)(sizeof(qraw) / sizeof(uint4)); j++) {
             const int e = threadIdx.x + j * ATTN_THREADS;
@@ -137,7 +157,24 @@ __device__ void paged_attention(const bf16* __restrict__ qkv, int width, const u
     const int nsplits = ceil_div(ctx, chunk);
     const int begin = split * chunk, end = min(ctx, begin + chunk);
 
-    if constexpr (Q_SHARED) {
+    if constexpr (ROPE) {
+        const float pos = (float)(ctx - 1);
+        for (int h = warp; h < G; h += ATTN_WARPS) {
+            rope_head(qrow + h * D, rope.q_norm, rope.eps, pos, rope.theta, D, lane,
+                      [&](int i, bf16 v) { s_q[h][i] = __bfloat162float(v) * qscale; });
+        }
+        if (end == ctx) {  // this split holds the newest position: put its K and V in the cache first
+            const size_t at = cache_offset(rope.slots[t], g, num_kv_heads, block_size, D);
+            const bf16* krow = qkv + (size_t)t * width + (size_t)(num_heads + g) * D;
+            if (warp == ATTN_WARPS - 1) {
+                rope_head(krow, rope.k_norm, rope.eps, pos, rope.theta, D, lane, [&](int i, bf16 v) { k_cache[at + i] = v; });
+            } else if (warp == 0) {
+                const uint4* vrow = reinterpret_cast<const uint4*>(krow + (size_t)num_kv_heads * D);
+                for (int i = lane; i < D / 8; i += 32) reinterpret_cast<uint4*>(v_cache + at)[i] = __ldcg(vrow + i);
+            }
+        }
+        // The barrier before the main loop publishes s_q and the new K/V to the whole block.
+    } else if constexpr (Q_SHARED) {
 #pragma unroll
         for (int j = 0; j < (int)(sizeof(qraw) / sizeof(uint4)); j++) {
             const int e = threadIdx.x + j * ATTN_THREADS;
@@ -177,7 +214,13 @@ __device__ void paged_attention(const bf16* __restrict__ qkv, int width, const u
         const int p = begin + u * NG + off0;
         blk[u] = p < end ? __ldg(table + bdiv.div((u32)p)) : 0u;
     }
-    if constexpr (Q_SHARED) __syncthreads();
+    if constexpr (Q_SHARED || ROPE) __syncthreads();
+    if constexpr (ROPE && !Q_SHARED) {
+#pragma unroll
+        for (int h = 0; h < G; h++)
+#pragma unroll
+            for (int i = 0; i < 8; i++) q[h][i] = s_q[h][li * 8 + i];
+    }
 
     // Block-uniform trip count: lanes past `end` still join the shuffles.
     for (int base = begin; base < end; base += STEP) {
@@ -382,11 +425,22 @@ __device__ void paged_attention(const bf16* __restrict__ qkv, int width, const u
     extern "C" __global__ void __launch_bounds__(ATTN_THREADS, (AttnConfig<D, G>::MIN_BLOCKS))                \
         paged_attention_d##D##_g##G(                                                                            \
         const bf16* qkv, int width, const u32* positions, const u32* token_seq, const u32* seq_info,           \
-        const u32* block_tables, const bf16* k_cache, const bf16* v_cache, int block_size, int num_kv_heads,    \
+        const u32* block_tables, bf16* k_cache, bf16* v_cache, int block_size, int num_kv_heads,                \
         float scale, bf16* out, float* partial, u32* counters) {                                                \
         kernel_begin();                                                                                         \
-        paged_attention<D, G>(qkv, width, positions, token_seq, seq_info, block_tables, k_cache, v_cache,      \
-                              block_size, num_kv_heads, scale, out, partial, counters);                         \
+        paged_attention<D, G, false>(qkv, width, positions, token_seq, seq_info, block_tables, k_cache,        \
+                                     v_cache, block_size, num_kv_heads, scale, out, partial, counters, {});     \
+    }                                                                                                           \
+    extern "C" __global__ void __launch_bounds__(ATTN_THREADS, (AttnConfig<D, G>::MIN_BLOCKS))                \
+        paged_attention_rope_d##D##_g##G(                                                                       \
+        const bf16* qkv, int width, const u32* positions, const u32* token_seq, const u32* seq_info,           \
+        const u32* block_tables, bf16* k_cache, bf16* v_cache, int block_size, int num_kv_heads,                \
+        float scale, bf16* out, float* partial, u32* counters, const float* q_norm, const float* k_norm,        \
+        float eps, float theta, const u32* slots) {                                                             \
+        kernel_begin();                                                                                         \
+        paged_attention<D, G, true>(qkv, width, positions, token_seq, seq_info, block_tables, k_cache,         \
+                                    v_cache, block_size, num_kv_heads, scale, out, partial, counters,          \
+                                    {q_norm, k_norm, eps, theta, slots});                                       \
     }
 
 ATTENTION_KERNEL(64, 1)

@@ -144,6 +144,22 @@ pub trait Backend: Send + Sized + 'static {
         layer: usize,
         out: &mut Self::Tensor,
     ) -> Result<()>;
+    /// [`Backend::rope_and_write_kv`] then [`Backend::paged_attention`]. A backend may fuse them where every
+    /// sequence of the batch has one query token (decode): no token then attends to another token's new K.
+    #[allow(clippy::too_many_arguments)]
+    fn rope_attention(
+        &self,
+        qkv: &mut Self::Tensor,
+        qk_norm: Option<(&Self::Vector, &Self::Vector)>,
+        shape: &AttentionShape,
+        batch: &Self::Batch,
+        cache: &mut Self::KvCache,
+        layer: usize,
+        out: &mut Self::Tensor,
+    ) -> Result<()> {
+        self.rope_and_write_kv(qkv, qk_norm, shape, batch, cache, layer)?;
+        self.paged_attention(qkv, shape, batch, cache, layer, out)
+    }
     /// On rows `[gate | up]` (each half `intermediate` wide): `out = silu(gate) * up`.
     fn silu_mul(&self, gate_up: &Self::Tensor, out: &mut Self::Tensor) -> Result<()>;
     /// `out[i] = x[batch.logits_rows[i]]`: the rows whose logits the step wants.

@@ -211,8 +211,7 @@ impl<B: Backend> LlamaModel<B> {
         for (index, layer) in layers.iter().enumerate() {
             backend.norm_linear(&s.residual, &layer.input_norm, eps, &layer.qkv_proj, layer.qkv_bias.as_ref(), &mut s.normed, &mut s.qkv)?;
             let qk_norm = layer.qk_norm.as_ref().map(|(q, k)| (q, k));
-            backend.rope_and_write_kv(&mut s.qkv, qk_norm, attention, batch, cache, index)?;
-            backend.paged_attention(&s.qkv, attention, batch, cache, index, &mut s.attention)?;
+            backend.rope_attention(&mut s.qkv, qk_norm, attention, batch, cache, index, &mut s.attention)?;
             project_into_residual(backend, hooks, &s.attention, &layer.o_proj, layer.o_bias.as_ref(), &mut s.block_output, &mut s.residual)?;
 
             backend.norm_linear_silu(&s.residual, &layer.post_attention_norm, eps, &layer.gate_up_proj, &mut s.normed, &mut s.gate_up, &mut s.activated)?;

@@ -58,15 +58,18 @@ struct Kernels {
     gemv: [Vec<Func>; 4],
     /// ((head_dim, group size), kernel)
     attention: Vec<((usize, usize), Func)>,
+    /// The same shapes, rotating q and k themselves (decode batches only).
+    attention_rope: Vec<((usize, usize), Func)>,
     pub sample: Func,
 }
 
 impl Kernels {
     fn load(gpu: &Gpu) -> Result<Self> {
-        let mut attention = Vec::new();
+        let (mut attention, mut attention_rope) = (Vec::new(), Vec::new());
         for (d, groups) in [(64, &[1, 2, 3, 4, 8][..]), (128, &[1, 2, 4, 8][..])] {
             for &g in groups {
                 attention.push(((d, g), gpu.function("attention", &format!("paged_attention_d{d}_g{g}"))?));
+                attention_rope.push(((d, g), gpu.function("attention", &format!("paged_attention_rope_d{d}_g{g}"))?));
             }
         }
         let gemv_family = |name: &str| -> Result<Vec<Func>> {
@@ -88,6 +91,7 @@ impl Kernels {
                 gemv_family("gemv_norm_silu")?,
             ],
             attention,
+            attention_rope,
             sample: gpu.function("sampling", "sample_rows")?,
         })
     }
@@ -147,6 +151,8 @@ pub struct CudaBatch {
     pub n_logits: usize,
     /// Longest context of the batch; None while capturing a graph (the replayed batch is not known yet).
     max_context: Option<usize>,
+    /// Every sequence has exactly one query token (a decode step), so attention may rotate q and k itself.
+    decode_only: bool,
 }
 
 impl CudaBatch {
@@ -424,6 +430,58 @@ impl CudaBackend {
         Ok(blocks)
     }
 
+    /// The paged attention kernel for this shape; with `rope` (decode batches only), the variant that also
+    /// normalizes and rotates q and k and writes the new K and V to the cache (kernels/attention.cu).
+    #[allow(clippy::too_many_arguments)]
+    fn launch_attention(
+        &self,
+        qkv: &CudaTensor,
+        shape: &AttentionShape,
+        batch: &CudaBatch,
+        cache: &CudaKvCache,
+        layer: usize,
+        out: &mut CudaTensor,
+        rope: Option<Option<(&CudaVector, &CudaVector)>>,
+    ) -> Result<()> {
+        let key = (shape.head_dim, shape.group_size());
+        let family = if rope.is_some() { &self.inner.kernels.attention_rope } else { &self.inner.kernels.attention };
+        let Some(&(_, f)) = family.iter().find(|(k, _)| *k == key) else {
+            return Err(Error::Device(format!(
+                "no CUDA attention kernel for head_dim {} with {} query heads per KV head; add it to kernels/attention.cu",
+                key.0, key.1
+            )));
+        };
+        let n = batch.n_tokens;
+        self.ensure(out, n, shape.q_dim())?;
+        let splits = self.attention_splits(n, shape.num_kv_heads, batch.max_context);
+        let (partial, counters) = self.attention_workspace(n, shape, splits)?;
+        let (qn, kn) = rope.flatten().map_or((0, 0), |(q, k)| (q.buf.ptr(), k.buf.ptr()));
+        let args = [
+            Arg::Ptr(qkv.ptr()),
+            Arg::I32(shape.qkv_width() as i32),
+            Arg::Ptr(batch.section(batch.layout.positions)),
+            Arg::Ptr(batch.section(batch.layout.token_seq)),
+            Arg::Ptr(batch.section(batch.layout.seq_info)),
+            Arg::Ptr(batch.section(batch.layout.tables)),
+            Arg::Ptr(cache.keys[layer].ptr()),
+            Arg::Ptr(cache.values[layer].ptr()),
+            Arg::I32(cache.shape.block_size as i32),
+            Arg::I32(shape.num_kv_heads as i32),
+            Arg::F32(shape.softmax_scale()),
+            Arg::Ptr(out.ptr()),
+            Arg::Ptr(partial),
+            Arg::Ptr(counters),
+            // Read by the rotating variant only.
+            Arg::Ptr(qn),
+            Arg::Ptr(kn),
+            Arg::F32(shape.qk_norm_eps),
+            Arg::F32(shape.rope_theta),
+            Arg::Ptr(batch.section(batch.layout.slots)),
+        ];
+        let args = if rope.is_some() { &args[..] } else { &args[..14] };
+        self.inner.gpu.launch(f, (n as u32, shape.num_kv_heads as u32, splits as u32), 128, args)
+    }
+
     /// `out = x · Wᵀ (+ bias)` on cuBLAS (the bias by a second kernel).
     fn cublas_linear(&self, x: &CudaTensor, weight: &CudaMatrix, bias: Option<&CudaVector>, out: &mut CudaTensor) -> Result<()> {
         let (m, n, k) = (x.rows, weight.rows, weight.cols);
@@ -531,6 +589,7 @@ impl Backend for CudaBackend {
             batch.base = base;
             batch.layout = layout;
             batch.max_context = None;
+            batch.decode_only = true; // only decode steps are captured
             return Ok(());
         }
         let layout = MetaLayout::new(plan.num_tokens(), plan.seqs.len(), plan.logits_rows.len(), plan.block_tables.len());
@@ -550,6 +609,7 @@ impl Backend for CudaBackend {
         batch.base = own.ptr();
         batch.layout = layout;
         batch.max_context = plan.seqs.iter().map(|s| s.context_len()).max();
+        batch.decode_only = plan.num_tokens() == plan.seqs.len();
         Ok(())
     }
 
@@ -679,12 +739,7 @@ impl Backend for CudaBackend {
         layer: usize,
     ) -> Result<()> {
         check_attention(qkv, shape, batch, cache, layer)?;
-        if shape.head_dim > 256 || !shape.head_dim.is_multiple_of(8) {
-            return Err(Error::Device(format!(
-                "the CUDA RoPE kernel supports head_dim <= 256 and a multiple of 8, not {}",
-                shape.head_dim
-            )));
-        }
+        check_rope_head_dim(shape)?;
         let (qn, kn) = qk_norm.map_or((0, 0), |(q, k)| (q.buf.ptr(), k.buf.ptr()));
         let heads = shape.num_heads + 2 * shape.num_kv_heads;
         let args = [
@@ -718,34 +773,26 @@ impl Backend for CudaBackend {
         out: &mut CudaTensor,
     ) -> Result<()> {
         check_attention(qkv, shape, batch, cache, layer)?;
-        let key = (shape.head_dim, shape.group_size());
-        let Some(&(_, f)) = self.inner.kernels.attention.iter().find(|(k, _)| *k == key) else {
-            return Err(Error::Device(format!(
-                "no CUDA attention kernel for head_dim {} with {} query heads per KV head; add it to kernels/attention.cu",
-                key.0, key.1
-            )));
-        };
-        let n = batch.n_tokens;
-        self.ensure(out, n, shape.q_dim())?;
-        let splits = self.attention_splits(n, shape.num_kv_heads, batch.max_context);
-        let (partial, counters) = self.attention_workspace(n, shape, splits)?;
-        let args = [
-            Arg::Ptr(qkv.ptr()),
-            Arg::I32(shape.qkv_width() as i32),
-            Arg::Ptr(batch.section(batch.layout.positions)),
-            Arg::Ptr(batch.section(batch.layout.token_seq)),
-            Arg::Ptr(batch.section(batch.layout.seq_info)),
-            Arg::Ptr(batch.section(batch.layout.tables)),
-            Arg::Ptr(cache.keys[layer].ptr()),
-            Arg::Ptr(cache.values[layer].ptr()),
-            Arg::I32(cache.shape.block_size as i32),
-            Arg::I32(shape.num_kv_heads as i32),
-            Arg::F32(shape.softmax_scale()),
-            Arg::Ptr(out.ptr()),
-            Arg::Ptr(partial),
-            Arg::Ptr(counters),
-        ];
-        self.inner.gpu.launch(f, (n as u32, shape.num_kv_heads as u32, splits as u32), 128, &args)
+        self.launch_attention(qkv, shape, batch, cache, layer, out, None)
+    }
+
+    fn rope_attention(
+        &self,
+        qkv: &mut CudaTensor,
+        qk_norm: Option<(&CudaVector, &CudaVector)>,
+        shape: &AttentionShape,
+        batch: &CudaBatch,
+        cache: &mut CudaKvCache,
+        layer: usize,
+        out: &mut CudaTensor,
+    ) -> Result<()> {
+        if !batch.decode_only {
+            self.rope_and_write_kv(qkv, qk_norm, shape, batch, cache, layer)?;
+            return self.paged_attention(qkv, shape, batch, cache, layer, out);
+        }
+        check_attention(qkv, shape, batch, cache, layer)?;
+        check_rope_head_dim(shape)?;
+        self.launch_attention(qkv, shape, batch, cache, layer, out, Some(qk_norm))
     }
 
     fn silu_mul(&self, gate_up: &CudaTensor, out: &mut CudaTensor) -> Result<()> {
@@ -795,6 +842,17 @@ impl Backend for CudaBackend {
         out.extend(host.iter().map(|v| v.to_f32()));
         Ok(())
     }
+}
+
+/// What the RoPE code of kernels/rope.cuh handles: up to 4 pairs per lane, V heads copied 16 bytes per lane.
+fn check_rope_head_dim(shape: &AttentionShape) -> Result<()> {
+    if shape.head_dim > 256 || !shape.head_dim.is_multiple_of(8) {
+        return Err(Error::Device(format!(
+            "the CUDA RoPE kernels support head_dim <= 256 and a multiple of 8, not {}",
+            shape.head_dim
+        )));
+    }
+    Ok(())
 }
 
 fn check_attention(qkv: &CudaTensor, shape: &AttentionShape, batch: &CudaBatch, cache: &CudaKvCache, layer: usize) -> Result<()> {
