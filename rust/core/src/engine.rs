@@ -43,7 +43,8 @@ pub struct EngineStats {
 }
 
 enum Command {
-    Submit { intent: AdmissionIntent, events: Sender<EngineEvent> },
+    // Boxed: an intent (prompt, sampling, stops) is far larger than the other commands.
+    Submit { intent: Box<AdmissionIntent>, events: Sender<EngineEvent> },
     Cancel(RequestId),
     Shutdown,
 }
@@ -94,7 +95,7 @@ impl RequestEngine {
         self.intents.check_fits_kv_cache(&intent, self.coordinator.info().block_size)?;
         let (tx, rx) = channel();
         self.commands
-            .send(Command::Submit { intent, events: tx })
+            .send(Command::Submit { intent: Box::new(intent), events: tx })
             .map_err(|_| Error::Protocol("the engine has shut down; create a new one".into()))?;
         Ok(RequestHandle { id, events: rx })
     }
@@ -172,7 +173,7 @@ impl Actor {
     /// Returns true on shutdown.
     fn handle(&mut self, cmd: Command) -> bool {
         match cmd {
-            Command::Submit { intent, events } => self.waiting.push_back((intent, events)),
+            Command::Submit { intent, events } => self.waiting.push_back((*intent, events)),
             Command::Cancel(id) => self.cancel(id),
             Command::Shutdown => return true,
         }
@@ -270,7 +271,7 @@ impl Actor {
         let late: Vec<Command> = self.commands.try_iter().collect();
         for cmd in late {
             if let Command::Submit { intent, events } = cmd {
-                self.waiting.push_back((intent, events));
+                self.waiting.push_back((*intent, events));
             }
         }
         for (intent, events) in self.waiting.drain(..) {

@@ -114,13 +114,13 @@ impl ModelConfig {
         if let Some((name, _)) = positive.iter().find(|(_, v)| *v == 0) {
             return load_err(format!("model config: {name} must be positive"));
         }
-        if self.num_heads % self.num_kv_heads != 0 {
+        if !self.num_heads.is_multiple_of(self.num_kv_heads) {
             return load_err(format!(
                 "model config: num_attention_heads ({}) must be a multiple of num_key_value_heads ({})",
                 self.num_heads, self.num_kv_heads
             ));
         }
-        if self.head_dim % 2 != 0 {
+        if !self.head_dim.is_multiple_of(2) {
             return load_err("model config: head_dim must be even for RoPE");
         }
         Ok(())

@@ -37,6 +37,7 @@ pub fn expected_rows(name: &str) -> Vec<(Vec<u32>, Vec<u32>)> {
     v["rows"].as_array().unwrap().iter().map(|r| (ids(&r["prompt_ids"]), ids(&r["greedy_ids"]))).collect()
 }
 
+#[allow(unused_imports)] // not every test binary that includes this module uses it
 pub use stepllm_core::test_support::default_gguf;
 
 /// CI sets STEPLLM_REQUIRE_DEFAULT_MODEL=1 so a missing default model fails instead of skipping.

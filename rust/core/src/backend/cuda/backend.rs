@@ -31,6 +31,16 @@ const MAX_ATTENTION_SPLITS: usize = 16;
 /// Heads (one warp each) per block of the RoPE kernel: ROPE_WARPS in kernels/rope.cu.
 const ROPE_WARPS: usize = 4;
 
+/// Whether the attention's q and k are rotated already (the RoPE kernel ran) or the attention kernel rotates
+/// them itself, with the per-head norm weights if the model has them (kernels/attention.cu).
+#[derive(Clone, Copy)]
+enum QkRotation<'a> {
+    Done,
+    InKernel(Option<(&'a CudaVector, &'a CudaVector)>),
+}
+/// Arguments the rotating attention kernels take after the plain ones.
+const ROTATION_ARGS: usize = 5;
+
 /// What a GEMV launch does around the product (kernels/gemv.cu).
 #[derive(Debug, Clone, Copy, PartialEq)]
 enum GemvKind {
@@ -430,8 +440,8 @@ impl CudaBackend {
         Ok(blocks)
     }
 
-    /// The paged attention kernel for this shape; with `rope` (decode batches only), the variant that also
-    /// normalizes and rotates q and k and writes the new K and V to the cache (kernels/attention.cu).
+    /// The paged attention kernel for this shape; with [`QkRotation::InKernel`] (decode batches only), the
+    /// variant that also normalizes and rotates q and k and writes the new K and V to the cache.
     #[allow(clippy::too_many_arguments)]
     fn launch_attention(
         &self,
@@ -441,10 +451,13 @@ impl CudaBackend {
         cache: &CudaKvCache,
         layer: usize,
         out: &mut CudaTensor,
-        rope: Option<Option<(&CudaVector, &CudaVector)>>,
+        rotation: QkRotation<'_>,
     ) -> Result<()> {
         let key = (shape.head_dim, shape.group_size());
-        let family = if rope.is_some() { &self.inner.kernels.attention_rope } else { &self.inner.kernels.attention };
+        let (family, qk_norm) = match rotation {
+            QkRotation::Done => (&self.inner.kernels.attention, None),
+            QkRotation::InKernel(qk_norm) => (&self.inner.kernels.attention_rope, qk_norm),
+        };
         let Some(&(_, f)) = family.iter().find(|(k, _)| *k == key) else {
             return Err(Error::Device(format!(
                 "no CUDA attention kernel for head_dim {} with {} query heads per KV head; add it to kernels/attention.cu",
@@ -455,7 +468,7 @@ impl CudaBackend {
         self.ensure(out, n, shape.q_dim())?;
         let splits = self.attention_splits(n, shape.num_kv_heads, batch.max_context);
         let (partial, counters) = self.attention_workspace(n, shape, splits)?;
-        let (qn, kn) = rope.flatten().map_or((0, 0), |(q, k)| (q.buf.ptr(), k.buf.ptr()));
+        let (qn, kn) = qk_norm.map_or((0, 0), |(q, k)| (q.buf.ptr(), k.buf.ptr()));
         let args = [
             Arg::Ptr(qkv.ptr()),
             Arg::I32(shape.qkv_width() as i32),
@@ -471,14 +484,17 @@ impl CudaBackend {
             Arg::Ptr(out.ptr()),
             Arg::Ptr(partial),
             Arg::Ptr(counters),
-            // Read by the rotating variant only.
+            // The rotating variant's arguments (ROTATION_ARGS of them).
             Arg::Ptr(qn),
             Arg::Ptr(kn),
             Arg::F32(shape.qk_norm_eps),
             Arg::F32(shape.rope_theta),
             Arg::Ptr(batch.section(batch.layout.slots)),
         ];
-        let args = if rope.is_some() { &args[..] } else { &args[..14] };
+        let args = match rotation {
+            QkRotation::Done => &args[..args.len() - ROTATION_ARGS],
+            QkRotation::InKernel(_) => &args[..],
+        };
         self.inner.gpu.launch(f, (n as u32, shape.num_kv_heads as u32, splits as u32), 128, args)
     }
 
@@ -773,7 +789,7 @@ impl Backend for CudaBackend {
         out: &mut CudaTensor,
     ) -> Result<()> {
         check_attention(qkv, shape, batch, cache, layer)?;
-        self.launch_attention(qkv, shape, batch, cache, layer, out, None)
+        self.launch_attention(qkv, shape, batch, cache, layer, out, QkRotation::Done)
     }
 
     fn rope_attention(
@@ -792,7 +808,7 @@ impl Backend for CudaBackend {
         }
         check_attention(qkv, shape, batch, cache, layer)?;
         check_rope_head_dim(shape)?;
-        self.launch_attention(qkv, shape, batch, cache, layer, out, Some(qk_norm))
+        self.launch_attention(qkv, shape, batch, cache, layer, out, QkRotation::InKernel(qk_norm))
     }
 
     fn silu_mul(&self, gate_up: &CudaTensor, out: &mut CudaTensor) -> Result<()> {

@@ -307,7 +307,8 @@ impl<T: Copy + Default> PinnedBuffer<T> {
         Ok(Self { ptr, len, ctx: gpu.ctx.clone() })
     }
 
-    pub fn len(&self) -> usize {
+    /// Elements allocated (at least one).
+    pub fn capacity(&self) -> usize {
         self.len
     }
 

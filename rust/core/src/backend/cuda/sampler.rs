@@ -70,7 +70,7 @@ impl Sampler {
 
     /// The argmax the forward computed for each of `n` rows (keys at device address `keys`).
     fn argmax_tokens(&mut self, backend: &CudaBackend, keys: u64, n: usize) -> Result<Vec<u32>> {
-        if self.keys.as_ref().is_none_or(|k| k.len() < n) {
+        if self.keys.as_ref().is_none_or(|k| k.capacity() < n) {
             self.keys = None;
             self.keys = Some(PinnedBuffer::new(backend.gpu(), n * 2)?);
         }
@@ -87,11 +87,11 @@ impl Sampler {
         self.pack(rows);
         let gpu = backend.gpu();
         let words = self.host.len();
-        if self.staging.as_ref().is_none_or(|s| s.len() < words) {
+        if self.staging.as_ref().is_none_or(|s| s.capacity() < words) {
             self.staging = None;
             self.staging = Some(PinnedBuffer::new(gpu, words * 2)?);
         }
-        if self.out.as_ref().is_none_or(|s| s.len() < n) {
+        if self.out.as_ref().is_none_or(|s| s.capacity() < n) {
             self.out = None;
             self.out = Some(PinnedBuffer::new(gpu, n * 2)?);
         }

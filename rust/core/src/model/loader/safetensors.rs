@@ -207,6 +207,15 @@ fn read_text(path: &Path) -> Result<String> {
     std::fs::read_to_string(path).or_else(|e| load_err(format!("cannot read {} ({e})", path.display())))
 }
 
+/// Little-endian `N`-byte values to f32, in parallel chunks.
+fn convert<const N: usize>(bytes: &[u8], to_f32: impl Fn(&[u8; N]) -> f32 + Sync) -> Vec<f32> {
+    bytes
+        .par_chunks_exact(N)
+        .with_min_len(1 << 16)
+        .map(|b| to_f32(b.try_into().expect("chunks_exact gives N bytes")))
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -237,13 +246,4 @@ mod tests {
         let err = load_hf_config(Path::new("/nonexistent/model")).unwrap_err();
         assert!(err.to_string().contains("config.json"), "{err}");
     }
-}
-
-/// Little-endian `N`-byte values to f32, in parallel chunks.
-fn convert<const N: usize>(bytes: &[u8], to_f32: impl Fn(&[u8; N]) -> f32 + Sync) -> Vec<f32> {
-    bytes
-        .par_chunks_exact(N)
-        .with_min_len(1 << 16)
-        .map(|b| to_f32(b.try_into().expect("chunks_exact gives N bytes")))
-        .collect()
 }
