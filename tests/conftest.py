@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import struct
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +58,21 @@ def config(name: str = "llama", **kw: Any) -> stepllm.Config:
     kw.setdefault("max_batch_size", 4)
     kw.setdefault("kv_cache_tokens", 4096)
     return stepllm.Config(model=model_dir(name), **kw)
+
+
+@contextmanager
+def long_contexts_allowed() -> Iterator[None]:
+    """Lets a test build a runtime whose max_model_len exceeds the tiny fixtures' 256 trained positions (the
+    long-running requests that cancellation tests need); the runtime refuses that otherwise."""
+    before = os.environ.get("STEPLLM_ALLOW_LONG_MAX_MODEL_LEN")
+    os.environ["STEPLLM_ALLOW_LONG_MAX_MODEL_LEN"] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["STEPLLM_ALLOW_LONG_MAX_MODEL_LEN"]
+        else:
+            os.environ["STEPLLM_ALLOW_LONG_MAX_MODEL_LEN"] = before
 
 
 def coordinator(name: str = "llama", **kw: Any) -> stepllm.RuntimeCoordinator:

@@ -66,6 +66,16 @@ def test_bad_config_raises_invalid_request(kw: dict[str, Any]) -> None:
         stepllm.Config(model=str(FIXTURES / "llama"), **kw)
 
 
+def test_max_model_len_past_the_trained_positions_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("STEPLLM_ALLOW_LONG_MAX_MODEL_LEN", raising=False)
+    trained = json.loads((FIXTURES / "llama" / "config.json").read_text())["max_position_embeddings"]
+    assert coordinator("llama", max_model_len=trained).info()["max_model_len"] == trained
+    with pytest.raises(stepllm.InvalidRequestError, match=f"max_model_len {trained + 1} .* max_position_embeddings \\({trained}\\)"):
+        coordinator("llama", max_model_len=trained + 1)
+    monkeypatch.setenv("STEPLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
+    assert coordinator("llama", max_model_len=trained + 1).info()["max_model_len"] == trained + 1
+
+
 @pytest.mark.parametrize("kw", [{"lookup": "maybe"}, {"commit": "sometimes"}])
 def test_bad_context_cache_config(kw: dict[str, Any]) -> None:
     with pytest.raises(stepllm.InvalidRequestError):

@@ -5,11 +5,12 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from typing import Any
 
 import pytest
 
 import stepllm
-from conftest import check_invariants, config, expected, greedy, model_dir, row_request
+from conftest import check_invariants, config, expected, greedy, long_contexts_allowed, model_dir, row_request
 
 
 # Requests that must still be running when a test cancels them: the tiny fixtures decode a token in tens of
@@ -17,8 +18,9 @@ from conftest import check_invariants, config, expected, greedy, model_dir, row_
 LONG_TOKENS = 4000
 
 
-def long_config(**kw):
-    return config("qwen2", max_model_len=LONG_TOKENS + 64, kv_cache_tokens=2 * (LONG_TOKENS + 64), **kw)
+def long_engine(**kw: Any) -> stepllm.Engine:
+    with long_contexts_allowed():
+        return stepllm.Engine(config("qwen2", max_model_len=LONG_TOKENS + 64, kv_cache_tokens=2 * (LONG_TOKENS + 64), **kw))
 
 
 def long_request() -> stepllm.GenerationRequest:
@@ -27,7 +29,7 @@ def long_request() -> stepllm.GenerationRequest:
 
 @pytest.fixture
 def engine():
-    with stepllm.Engine(long_config(max_batch_size=4)) as e:
+    with long_engine(max_batch_size=4) as e:
         yield e
 
 
@@ -119,7 +121,7 @@ def test_cancel_mid_stream(engine: stepllm.Engine) -> None:
 
 
 def test_engine_cancel_by_id_and_of_waiting_requests() -> None:
-    with stepllm.Engine(long_config(max_batch_size=1)) as engine:
+    with long_engine(max_batch_size=1) as engine:
         running = engine.submit(long_request())
         queued = engine.submit(long_request())
         next(iter(running))
@@ -140,7 +142,7 @@ def test_dropping_a_stream_frees_its_slot(engine: stepllm.Engine) -> None:
 
 
 def test_shutdown_ends_streams_and_refuses_new_work() -> None:
-    engine = stepllm.Engine(long_config())
+    engine = long_engine()
     stream = engine.submit(long_request())
     next(iter(stream))
     engine.shutdown()

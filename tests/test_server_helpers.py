@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 import stepllm
-from conftest import check_invariants, model_dir
+from conftest import check_invariants, long_contexts_allowed, model_dir
 
 pytest.importorskip("openai")
 pytest.importorskip("uvicorn")
@@ -32,6 +32,9 @@ def fixture_llm(name: str = "qwen2", *, long: bool = False, **kw: Any) -> stepll
         kw.setdefault("kv_cache_tokens", 5 * LONG_CONTEXT)
     else:
         kw.setdefault("kv_cache_tokens", 4096)
+    if long:
+        with long_contexts_allowed():
+            return stepllm.LLM(model=model_dir(name), device="cpu", **kw)
     return stepllm.LLM(model=model_dir(name), device="cpu", **kw)
 
 

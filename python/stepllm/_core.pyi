@@ -409,8 +409,9 @@ class ParallelConfig:
 @final
 class Config:
     """Runtime configuration, validated on construction (InvalidRequestError). None takes the default: device
-    ["auto"], max_batch_size [8], kv_cache_tokens [16384], block_size [16], max_model_len [the model's],
-    context_cache [ContextCacheConfig()], parallel [ParallelConfig()], dtype [the device's: "f32" on the CPU,
+    ["auto"], max_batch_size [8], kv_cache_tokens [16384], block_size [16], max_model_len [the model's
+    max_position_embeddings; a longer one is refused when the runtime is built, unless
+    STEPLLM_ALLOW_LONG_MAX_MODEL_LEN=1], context_cache [ContextCacheConfig()], parallel [ParallelConfig()], dtype [the device's: "f32" on the CPU,
     "bf16" on CUDA]. dtype is how weight matrices are kept: "f32" (exact), "bf16" (half the memory traffic)
     or "int8" (per-row scales, a quarter; CPU only); the CPU computes in f32 whatever it is. model None means
     the default model (stepllm.models.default_model_path(), resolved when a runtime is built from this config)."""

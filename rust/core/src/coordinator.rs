@@ -166,7 +166,7 @@ impl RuntimeCoordinator {
         config.validate()?;
         let crate::parallel::ParallelModel { config: model_config, runners, collective, faults, tokenizer, chat_template, source } = model;
         let world = runners.len();
-        let (stepper_config, mut info, intents) = Self::plan(&model_config, config, &tokenizer, chat_template, source, runners[0].as_ref());
+        let (stepper_config, mut info, intents) = Self::plan(&model_config, config, &tokenizer, chat_template, source, runners[0].as_ref())?;
         info.parameters = runners.iter().map(|r| r.parameter_count()).sum();
         info.device = format!("{} x{world} (tensor parallel)", info.device);
         let steppers = runners
@@ -190,8 +190,8 @@ impl RuntimeCoordinator {
         chat_template: Option<crate::text::chat_template::ChatTemplate>,
         source: String,
         runner: &dyn crate::model::ModelRunner,
-    ) -> (StepperConfig, ModelInfo, IntentBuilder) {
-        let max_model_len = config.max_model_len.unwrap_or(model_config.max_position_embeddings).max(2);
+    ) -> Result<(StepperConfig, ModelInfo, IntentBuilder)> {
+        let max_model_len = resolve_max_model_len(model_config.max_position_embeddings, config.max_model_len)?;
         let num_blocks = config.kv_cache_tokens.div_ceil(config.block_size);
         let stepper_config = StepperConfig {
             max_batch_size: config.max_batch_size,
@@ -219,7 +219,7 @@ impl RuntimeCoordinator {
             max_model_len,
             kv_capacity_tokens: num_blocks * config.block_size,
         };
-        (stepper_config, info, intents)
+        Ok((stepper_config, info, intents))
     }
 
     pub fn from_loaded(loaded: LoadedModel, config: &Config) -> Result<Self> {
@@ -228,7 +228,7 @@ impl RuntimeCoordinator {
             return invalid("a loaded single-rank model cannot serve tensor_parallel_size > 1; load it through RuntimeCoordinator::new");
         }
         let LoadedModel { config: model_config, runner, tokenizer, chat_template, source } = loaded;
-        let (stepper_config, info, intents) = Self::plan(&model_config, config, &tokenizer, chat_template, source, runner.as_ref());
+        let (stepper_config, info, intents) = Self::plan(&model_config, config, &tokenizer, chat_template, source, runner.as_ref())?;
         let stepper = RuntimeStepper::new(runner, tokenizer, model_config.eos_token_ids.clone(), stepper_config)?;
         Ok(Self {
             stepper: StepperHandle::Local(Arc::new(Mutex::new(stepper))),
@@ -408,4 +408,19 @@ fn run_batch(stepper: &StepperHandle, intents: Vec<AdmissionIntent>) -> Result<V
         collect(&step, &mut responses);
     }
     Ok(responses.into_iter().map(|r| r.expect("every request finished")).collect())
+}
+
+/// The context length requests may use: the model's (`max_position_embeddings`) unless `max_model_len` asks
+/// for less. More than the model was trained for is refused, as vLLM refuses it: RoPE positions past it were
+/// never trained and the output degrades without any error. STEPLLM_ALLOW_LONG_MAX_MODEL_LEN=1 allows it for a
+/// caller who knows the model extrapolates.
+fn resolve_max_model_len(trained: usize, asked: Option<usize>) -> Result<usize> {
+    let Some(asked) = asked else { return Ok(trained.max(2)) };
+    if asked > trained && std::env::var_os("STEPLLM_ALLOW_LONG_MAX_MODEL_LEN").is_none() {
+        return invalid(format!(
+            "max_model_len {asked} is longer than the model's max_position_embeddings ({trained}); use at most \
+             {trained}, or set STEPLLM_ALLOW_LONG_MAX_MODEL_LEN=1 if the model is known to handle longer contexts"
+        ));
+    }
+    Ok(asked.max(2))
 }
