@@ -84,8 +84,8 @@ struct AttnConfig {
     static constexpr bool Q_SHARED = G >= 4;           // q lives in shared memory (saves G * 8 registers)
 };
 
-// The decode-only rotation of kernels/attention.cu's ROPE variant: per-head norm weights (null: none), their
-// epsilon, the RoPE base, and each token's cache slot.
+// What the ROPE variant needs to rotate q and k itself: per-head norm weights (null: none), their epsilon,
+// the RoPE base, and each token's cache slot.
 struct RopeArgs {
     const float* q_norm;
     const float* k_norm;

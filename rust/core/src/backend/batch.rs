@@ -86,6 +86,12 @@ impl BatchPlan {
         self.tokens.len()
     }
 
+    /// Whether every sequence has exactly one query token (a decode step): no token then attends to another
+    /// token of the same step, so a backend may write each new K/V inside its attention.
+    pub fn is_decode(&self) -> bool {
+        self.seqs.iter().all(|s| s.len == 1)
+    }
+
     /// The block table of sequence `seq`.
     pub fn block_table(&self, seq: &PlannedSeq) -> &[u32] {
         &self.block_tables[seq.table_start as usize..(seq.table_start + seq.table_len) as usize]
@@ -202,6 +208,12 @@ mod tests {
         let mut batch = one_seq(0, 2, vec![0]);
         batch.tokens[1] = 10;
         assert!(matches!(BatchPlan::new(&batch, 4, 8, 10), Err(Error::InvalidRequest(_))));
+    }
+
+    #[test]
+    fn decode_means_one_query_token_per_sequence() {
+        assert!(BatchPlan::new(&one_seq(3, 1, vec![7]), 4, 8, 10).unwrap().is_decode());
+        assert!(!BatchPlan::new(&one_seq(3, 2, vec![7, 2]), 4, 8, 10).unwrap().is_decode());
     }
 
     #[test]

@@ -625,7 +625,7 @@ impl Backend for CudaBackend {
         batch.base = own.ptr();
         batch.layout = layout;
         batch.max_context = plan.seqs.iter().map(|s| s.context_len()).max();
-        batch.decode_only = plan.num_tokens() == plan.seqs.len();
+        batch.decode_only = plan.is_decode();
         Ok(())
     }
 
