@@ -14,10 +14,13 @@ graph capture) and device memory. Checkpoints are random weights of real shapes 
               uniform in [100, 1024] (random token ids, seed 0, greedy, EOS ignored so each runs to its
               max_tokens), all submitted at once, continuously batched with max_batch_size = the request count;
               reports output tok/s (generated tokens / wall time) and total time. --mixed-paths picks the
-              path: "engine" (stepllm.Engine, what LLM.generate and the server use; it captures no CUDA
-              graphs) and/or "dispatch" (RuntimeCoordinator.dispatch_request after capture_decoding_cuda_graph;
-              the same prefill-first FIFO scheduling). No transformers peer for it: `generate` cannot give each
+              path: "engine" (stepllm.Engine, what LLM.generate and the server use; it captures decode CUDA
+              graphs when it starts) and/or "dispatch" (RuntimeCoordinator.dispatch_request after
+              capture_decoding_cuda_graph; the same prefill-first FIFO scheduling). No transformers peer for it: `generate` cannot give each
               row of a batch its own max_new_tokens, so it would measure padded static batches instead.
+
+--max-prefill-tokens N  Config.max_prefill_tokens for stepllm's runs: the most prompt tokens prefilled together
+              in one step (default 8192); 1 prefills one request per step, as before batched prefill.
 
 Pass `--batches` and `--hf-batches` with no values to skip the default sweep and its transformers peer
 (e.g. `--batches --hf-batches --host-ticks`).
@@ -36,11 +39,12 @@ import gpu_models
 import stepllm
 
 
-def stepllm_run(path: Path, batches: list[int], prompt_len: int, new: int) -> dict:
+def stepllm_run(path: Path, batches: list[int], prompt_len: int, new: int, max_prefill_tokens: int | None = None) -> dict:
     import torch
 
     t0 = time.perf_counter()
-    cfg = stepllm.Config(model=str(path), device="cuda", max_batch_size=max(batches), kv_cache_tokens=max(batches) * (prompt_len + new + 16))
+    cfg = stepllm.Config(model=str(path), device="cuda", max_batch_size=max(batches), kv_cache_tokens=max(batches) * (prompt_len + new + 16),
+                         max_prefill_tokens=max_prefill_tokens)
     coord = stepllm.RuntimeCoordinator(cfg)
     t_load = time.perf_counter() - t0
     t1 = time.perf_counter()
@@ -177,12 +181,12 @@ def mixed_kv_tokens(work: list[tuple[list[int], int]], block: int) -> int:
 
 
 def mixed_run(path: Path, n: int, paths: list[str], lo: int = 100, hi: int = 1024, seed: int = 0,
-              device: str = "cuda") -> dict:
+              device: str = "cuda", max_prefill_tokens: int | None = None) -> dict:
     vocab = json.loads((path / "config.json").read_text())["vocab_size"]
     work = mixed_workload(vocab, n, lo, hi, seed)
     block = 16
     cfg = stepllm.Config(model=str(path), device=device, max_batch_size=n, block_size=block,
-                         kv_cache_tokens=mixed_kv_tokens(work, block))
+                         kv_cache_tokens=mixed_kv_tokens(work, block), max_prefill_tokens=max_prefill_tokens)
 
     def request(ids: list[int], out: int) -> stepllm.GenerationRequest:
         return stepllm.GenerationRequest(ids, stepllm.SamplingParams(max_tokens=out, temperature=0.0, ignore_eos=True))
@@ -267,6 +271,8 @@ def main() -> None:
     ap.add_argument("--mixed", action="store_true", help="256 requests, prompt and output lengths uniform in [100, 1024]")
     ap.add_argument("--mixed-requests", type=int, default=256)
     ap.add_argument("--mixed-paths", nargs="+", choices=["engine", "dispatch"], default=["engine", "dispatch"])
+    ap.add_argument("--max-prefill-tokens", type=int, default=None,
+                    help="Config.max_prefill_tokens for stepllm's runs (1 prefills one request per step)")
     args = ap.parse_args()
     rows = []
     tick_rows = []
@@ -274,7 +280,7 @@ def main() -> None:
     for shape in args.shapes:
         path = gpu_models.make(shape, Path(args.models))
         if args.batches:
-            ours = stepllm_run(path, args.batches, args.prompt, args.new)
+            ours = stepllm_run(path, args.batches, args.prompt, args.new, args.max_prefill_tokens)
             peer = hf_run(path, args.hf_batches, args.prompt, args.new) if args.hf_batches else {}
             print(f"{shape}: load {ours['load_s']:.2f} s, graph capture {ours['capture_s']:.2f} s (graphs={ours['graphs']}), "
                   f"device memory {ours['mem_gib']:.1f} GiB", flush=True)
@@ -288,7 +294,7 @@ def main() -> None:
                 tick_rows.append((shape, b, ticks[b]))
                 print(host_ticks_line(shape, b, ticks[b]), flush=True)
         if args.mixed:
-            mixed = mixed_run(path, args.mixed_requests, args.mixed_paths)
+            mixed = mixed_run(path, args.mixed_requests, args.mixed_paths, max_prefill_tokens=args.max_prefill_tokens)
             for kind in args.mixed_paths:
                 mixed_rows.append((shape, kind, mixed))
                 print(mixed_line(shape, kind, mixed), flush=True)

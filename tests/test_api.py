@@ -106,6 +106,9 @@ def test_config_fields_and_defaults() -> None:
     d = stepllm.Config(model=Path("/x"), context_cache=stepllm.ContextCacheConfig(lookup="bypass", commit="generated"), max_model_len=64)
     assert d.model == "/x" and d.context_cache.lookup == "bypass" and d.context_cache.commit == "generated" and d.max_model_len == 64
     assert "Config(model='/x'" in repr(d)
+    assert c.max_prefill_tokens == 8192 and stepllm.Config(max_prefill_tokens=64).max_prefill_tokens == 64
+    with pytest.raises(stepllm.InvalidRequestError, match="max_prefill_tokens must be at least 1"):
+        stepllm.Config(max_prefill_tokens=0)
 
 
 def test_default_model_missing_says_how_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -139,6 +142,7 @@ def test_coordinator_queries(model_name: str) -> None:
     info = coord.info()
     assert info["architecture"].lower().startswith(model_name) and info["vocab_size"] == 400
     assert info["max_batch_size"] == 4 and info["kv_cache_tokens"] == 4096 and info["source"] == model_dir(model_name)
+    assert info["max_prefill_tokens"] == 8192
     counts = coord.counts()
     assert counts == {"slot_capacity": 4, "free_slots": 4, "live_slots": 0, "total_blocks": 256, "free_blocks": 256,
                       "leased_blocks": 0, "cached_blocks": 0, "pinned_blocks": 0}

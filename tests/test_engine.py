@@ -269,3 +269,16 @@ def test_llm_per_prompt_sampling_and_defaults() -> None:
         assert 1 <= len(default.output_ids) <= 16
         with pytest.raises(ValueError):
             llm.generate(["a", "b"], [greedy(3)])
+
+
+@pytest.mark.parametrize("budget", [1, 24, 8192])
+def test_batched_prefill_gives_transformers_greedy_ids_whatever_the_token_budget(budget: int) -> None:
+    # Submitted together, the rows are prefilled in groups of up to `budget` prompt tokens (one at a time at 1).
+    rows = expected("qwen2")["rows"]
+    with stepllm.Engine(config("qwen2", max_prefill_tokens=budget)) as e:
+        streams = [e.submit(row_request(row)) for row in rows]
+        results = [s.wait() for s in streams]
+        stats = wait_idle(e)
+    for row, r in zip(rows, results):
+        assert r.output_ids == row["greedy_ids"]
+    assert stats["finished"] == {"length": len(rows)}

@@ -412,7 +412,8 @@ class Config:
     ["auto"], max_batch_size [8], kv_cache_tokens [16384], block_size [16], max_model_len [the model's
     max_position_embeddings; a longer one is refused when the runtime is built, unless
     STEPLLM_ALLOW_LONG_MAX_MODEL_LEN=1], context_cache [ContextCacheConfig()], parallel [ParallelConfig()], dtype [the device's: "f32" on the CPU,
-    "bf16" on CUDA]. dtype is how weight matrices are kept: "f32" (exact), "bf16" (half the memory traffic)
+    "bf16" on CUDA], max_prefill_tokens [8192: the most prompt tokens the engine and dispatch_request prefill
+    together in one step; a longer prompt is prefilled alone]. dtype is how weight matrices are kept: "f32" (exact), "bf16" (half the memory traffic)
     or "int8" (per-row scales, a quarter; CPU only); the CPU computes in f32 whatever it is. model None means
     the default model (stepllm.models.default_model_path(), resolved when a runtime is built from this config)."""
     def __new__(
@@ -426,6 +427,7 @@ class Config:
         context_cache: ContextCacheConfig | None = None,
         parallel: ParallelConfig | None = None,
         dtype: Literal["f32", "bf16", "int8", "auto"] | None = None,
+        max_prefill_tokens: int | None = None,
     ) -> Config: ...
     @property
     def model(self) -> str | None: ...
@@ -433,6 +435,8 @@ class Config:
     def device(self) -> str: ...
     @property
     def max_batch_size(self) -> int: ...
+    @property
+    def max_prefill_tokens(self) -> int: ...
     @property
     def kv_cache_tokens(self) -> int: ...
     @property
@@ -468,6 +472,7 @@ class ModelInfo(TypedDict):
     kv_cache_tokens: int
     block_size: int
     max_batch_size: int
+    max_prefill_tokens: int
     eos_token_ids: list[int]
 
 class EngineStats(TypedDict):

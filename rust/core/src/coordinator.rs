@@ -11,7 +11,8 @@ use crate::model::{load_model, Device, LoadProgress, LoadedModel, WeightDtype};
 use crate::request::{FinishReason, GenerationRequest, GenerationResponse, Prompt};
 use crate::state::context_cache::ContextCacheConfig;
 use crate::state::PoolCounts;
-use crate::step::{AdmissionIntent, AdmissionStatus, ImmutableDecodeBatch, ImmutablePrefillBatch, StepResult};
+use crate::prefill_group::{seat_prefill_group, DEFAULT_MAX_PREFILL_TOKENS};
+use crate::step::{AdmissionIntent, ImmutableDecodeBatch, ImmutablePrefillGroup, StepResult};
 use crate::parallel::rank::{RankCommand, RankGroup, RankReply};
 use crate::stepped::{materialize, SteppedRequest};
 use crate::stepper::{RuntimeStepper, StepperConfig};
@@ -37,6 +38,9 @@ pub struct Config {
     pub device: String,
     /// Resident slots: the most sequences live at once.
     pub max_batch_size: usize,
+    /// Most prompt tokens the schedulers (engine, dispatch) prefill together in one step; a longer prompt is
+    /// prefilled alone.
+    pub max_prefill_tokens: usize,
     /// KV cache budget in tokens (rounded up to whole blocks).
     pub kv_cache_tokens: usize,
     pub block_size: usize,
@@ -54,6 +58,7 @@ impl Config {
             model: model.into(),
             device: "auto".into(),
             max_batch_size: 8,
+            max_prefill_tokens: DEFAULT_MAX_PREFILL_TOKENS,
             kv_cache_tokens: 16384,
             block_size: 16,
             max_model_len: None,
@@ -66,6 +71,9 @@ impl Config {
     pub fn validate(&self) -> Result<()> {
         if self.max_batch_size == 0 {
             return invalid("max_batch_size must be at least 1");
+        }
+        if self.max_prefill_tokens == 0 {
+            return invalid("max_prefill_tokens must be at least 1");
         }
         if self.block_size == 0 || self.block_size > 1024 {
             return invalid(format!("block_size must be in 1..=1024, got {}", self.block_size));
@@ -130,6 +138,7 @@ pub struct ModelInfo {
     pub kv_cache_tokens: usize,
     pub block_size: usize,
     pub max_batch_size: usize,
+    pub max_prefill_tokens: usize,
     pub eos_token_ids: Vec<u32>,
 }
 
@@ -210,6 +219,7 @@ impl RuntimeCoordinator {
             kv_cache_tokens: num_blocks * config.block_size,
             block_size: config.block_size,
             max_batch_size: config.max_batch_size,
+            max_prefill_tokens: config.max_prefill_tokens,
             eos_token_ids: model_config.eos_token_ids.clone(),
         };
         let intents = IntentBuilder {
@@ -287,7 +297,7 @@ impl RuntimeCoordinator {
             .map(|(i, r)| self.intents.build(r, i as RequestId + 1, i as u32))
             .collect::<Result<Vec<_>>>()?;
         self.claim_session()?;
-        let result = run_batch(&self.stepper, intents);
+        let result = run_batch(&self.stepper, intents, self.info.max_prefill_tokens);
         self.release_session();
         result
     }
@@ -373,8 +383,9 @@ impl RuntimeCoordinator {
     }
 }
 
-/// FCFS: admit and prefill while capacity allows (prefill first), otherwise decode every resident.
-fn run_batch(stepper: &StepperHandle, intents: Vec<AdmissionIntent>) -> Result<Vec<GenerationResponse>> {
+/// FCFS: seat the queue's heads as one prefill group while capacity and the token budget allow, and prefill
+/// them (prefill first); otherwise decode every resident.
+fn run_batch(stepper: &StepperHandle, intents: Vec<AdmissionIntent>, max_prefill_tokens: usize) -> Result<Vec<GenerationResponse>> {
     let n = intents.len();
     let mut waiting: VecDeque<AdmissionIntent> = intents.into();
     let mut responses: Vec<Option<GenerationResponse>> = (0..n).map(|_| None).collect();
@@ -384,28 +395,29 @@ fn run_batch(stepper: &StepperHandle, intents: Vec<AdmissionIntent>) -> Result<V
         }
     };
     while !waiting.is_empty() || !stepper.residents()?.is_empty() {
-        if let Some(head) = waiting.front().cloned() {
-            let adm = stepper.admit(head.clone())?;
-            match adm.status {
-                AdmissionStatus::Admitted => {
-                    waiting.pop_front();
-                    let step = stepper.prefill(&ImmutablePrefillBatch { target: adm.resident.expect("admitted") })?;
-                    collect(&step, &mut responses);
-                    continue;
+        if !waiting.is_empty() {
+            let mut rejected = Vec::new();
+            let group = seat_prefill_group(stepper, &mut waiting, |i| i, max_prefill_tokens, |_, _| {}, |i, why| rejected.push((i, why)))?;
+            for (intent, why) in rejected {
+                responses[intent.original_index as usize] = Some(intent.unstarted_response(FinishReason::Error, why));
+            }
+            if !group.targets.is_empty() {
+                let step = stepper.prefill_group(&ImmutablePrefillGroup { targets: group.targets })?;
+                collect(&step, &mut responses);
+                continue;
+            }
+            if let Some(why) = group.head_refused {
+                if stepper.residents()?.is_empty() {
+                    let head = waiting.front().expect("a refused head stays queued");
+                    return Err(crate::Error::Internal(format!("request {} cannot be admitted into an idle runtime: {why}", head.request_id)));
                 }
-                AdmissionStatus::Rejected => {
-                    waiting.pop_front();
-                    responses[head.original_index as usize] = Some(head.unstarted_response(FinishReason::Error, adm.reason));
-                    continue;
-                }
-                AdmissionStatus::NoCapacity if stepper.residents()?.is_empty() => {
-                    return Err(crate::Error::Internal(format!("request {} cannot be admitted into an idle runtime: {}", head.request_id, adm.reason.unwrap_or_default())));
-                }
-                AdmissionStatus::NoCapacity => {}
             }
         }
-        let step = stepper.decode(&ImmutableDecodeBatch { residents: stepper.residents()? })?;
-        collect(&step, &mut responses);
+        let residents = stepper.residents()?;
+        if !residents.is_empty() {
+            let step = stepper.decode(&ImmutableDecodeBatch { residents })?;
+            collect(&step, &mut responses);
+        }
     }
     Ok(responses.into_iter().map(|r| r.expect("every request finished")).collect())
 }

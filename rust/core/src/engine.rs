@@ -13,7 +13,8 @@ use crate::ids::{RequestId, ResidentRef};
 use crate::intent::IntentBuilder;
 use crate::request::{FinishReason, GenerationRequest, GenerationResponse};
 use crate::state::PoolCounts;
-use crate::step::{AdmissionIntent, AdmissionStatus, ImmutableDecodeBatch, ImmutablePrefillBatch, StepResult};
+use crate::prefill_group::seat_prefill_group;
+use crate::step::{AdmissionIntent, ImmutableDecodeBatch, ImmutablePrefillGroup, StepResult};
 use crate::stepped::materialize;
 use crate::stepper_handle::StepperHandle;
 
@@ -75,6 +76,7 @@ impl RequestEngine {
             running: HashMap::new(),
             by_resident: HashMap::new(),
             stats: Arc::clone(&stats),
+            max_prefill_tokens: coordinator.info().max_prefill_tokens,
         };
         let thread = std::thread::Builder::new()
             .name("stepllm-engine".into())
@@ -131,6 +133,10 @@ impl Drop for RequestEngine {
     }
 }
 
+fn lock_stats(stats: &Mutex<EngineStats>) -> std::sync::MutexGuard<'_, EngineStats> {
+    stats.lock().unwrap_or_else(|p| p.into_inner())
+}
+
 struct Running {
     events: Sender<EngineEvent>,
     resident: ResidentRef,
@@ -146,6 +152,8 @@ struct Actor {
     /// The request of each live resident, so a step's deltas find their streams without a scan.
     by_resident: HashMap<ResidentRef, RequestId>,
     stats: Arc<Mutex<EngineStats>>,
+    /// Token budget of one prefill group (Config::max_prefill_tokens).
+    max_prefill_tokens: usize,
 }
 
 impl Actor {
@@ -190,29 +198,33 @@ impl Actor {
         }
     }
 
-    /// One operation: admit + prefill the head of the queue when it fits (prefill first), else decode.
+    /// One operation: seat the queue's heads as one prefill group and prefill them when any fits (prefill
+    /// first), else decode every resident.
     fn tick(&mut self) -> Result<()> {
-        if let Some((head, _)) = self.waiting.front() {
-            let head = head.clone();
-            let adm = self.stepper.admit(head.clone())?;
-            match adm.status {
-                AdmissionStatus::Admitted => {
-                    let (_, events) = self.waiting.pop_front().expect("head exists");
-                    let resident = adm.resident.expect("admitted");
-                    self.add_stat(|s| s.prompt_tokens += head.prompt_ids.len() as u64);
-                    self.running.insert(head.request_id, Running { events, resident, streamed_tokens: 0, streamed_text: 0 });
-                    self.by_resident.insert(resident, head.request_id);
-                    let step = self.stepper.prefill(&ImmutablePrefillBatch { target: resident })?;
-                    self.deliver(step);
-                    return Ok(());
-                }
-                AdmissionStatus::Rejected => {
-                    let (intent, events) = self.waiting.pop_front().expect("head exists");
-                    let _ = events.send(EngineEvent::Finished(intent.unstarted_response(FinishReason::Error, adm.reason)));
-                    self.count_finish(FinishReason::Error);
-                    return Ok(());
-                }
-                AdmissionStatus::NoCapacity => {}
+        if !self.waiting.is_empty() {
+            let (running, by_resident, stats) = (&mut self.running, &mut self.by_resident, &self.stats);
+            let mut rejected = Vec::new();
+            let group = seat_prefill_group(
+                &self.stepper,
+                &mut self.waiting,
+                |(intent, _)| intent,
+                self.max_prefill_tokens,
+                |(intent, events), resident| {
+                    lock_stats(stats).prompt_tokens += intent.prompt_ids.len() as u64;
+                    running.insert(intent.request_id, Running { events, resident, streamed_tokens: 0, streamed_text: 0 });
+                    by_resident.insert(resident, intent.request_id);
+                },
+                |item, why| rejected.push((item, why)),
+            );
+            for ((intent, events), why) in rejected {
+                let _ = events.send(EngineEvent::Finished(intent.unstarted_response(FinishReason::Error, why)));
+                self.count_finish(FinishReason::Error);
+            }
+            let targets = group?.targets;
+            if !targets.is_empty() {
+                let step = self.stepper.prefill_group(&ImmutablePrefillGroup { targets })?;
+                self.deliver(step);
+                return Ok(());
             }
         }
         let residents = self.stepper.residents()?;
@@ -304,7 +316,7 @@ impl Actor {
     }
 
     fn add_stat(&self, f: impl FnOnce(&mut EngineStats)) {
-        f(&mut self.stats.lock().unwrap_or_else(|p| p.into_inner()));
+        f(&mut lock_stats(&self.stats));
     }
 
     fn publish_stats(&self) {

@@ -15,6 +15,7 @@ pub mod state;
 pub mod step;
 pub mod stepped;
 pub mod parallel;
+pub mod prefill_group;
 pub mod stepper;
 pub mod stepper_handle;
 pub mod text;

@@ -136,6 +136,13 @@ pub struct ImmutablePrefillBatch {
     pub target: ResidentRef,
 }
 
+/// Every request seated by [`crate::stepper::RuntimeStepper::admit_into_group`], in admission order: one prefill
+/// tick computes all their prompts (beyond the seed, whose prefill names a single target).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct ImmutablePrefillGroup {
+    pub targets: Vec<ResidentRef>,
+}
+
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct ImmutableDecodeBatch {
     pub residents: Vec<ResidentRef>,

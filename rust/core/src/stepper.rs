@@ -14,7 +14,7 @@ use crate::state::context_cache::{extra_key, CommitPolicy, ContextCacheConfig};
 use crate::state::slot_pool::SlotPool;
 use crate::state::PoolCounts;
 use crate::step::{
-    AdmissionIntent, AdmissionResult, BatchResult, ImmutableDecodeBatch, ImmutablePrefillBatch,
+    AdmissionIntent, AdmissionResult, BatchResult, ImmutableDecodeBatch, ImmutablePrefillBatch, ImmutablePrefillGroup,
     ScheduledSequenceDescriptor, SequenceWork, StepExecution, StepResult,
 };
 use crate::text::stop::TextStream;
@@ -37,8 +37,9 @@ pub struct RuntimeStepper {
     slots: SlotPool,
     budget: BlockBudget,
     session: GenerationSession,
-    /// A seated sequence whose prefill must be the next operation.
-    seated: Option<ResidentRef>,
+    /// The seated sequences, in admission order, whose prefill must be the next operation: one after `admit`
+    /// (the seed's protocol), one or more after `admit_into_group`.
+    seated: Vec<ResidentRef>,
     next_step_id: StepId,
     unseeded_draws: u64,
     /// The last step's ForwardBatch, refilled by the next one so that a steady decode tick allocates no batch
@@ -56,7 +57,7 @@ impl RuntimeStepper {
             slots: SlotPool::new(config.max_batch_size),
             budget: BlockBudget::new(config.num_blocks, config.block_size, config.cache.clone()),
             session: GenerationSession::with_capacity(config.max_batch_size),
-            seated: None,
+            seated: Vec::new(),
             next_step_id: 1,
             unseeded_draws: 0,
             batch_scratch: ForwardBatch::default(),
@@ -80,8 +81,14 @@ impl RuntimeStepper {
         self.slots.live_refs()
     }
 
+    /// The first seated sequence (the only one, unless a group was seated).
     pub fn seated(&self) -> Option<ResidentRef> {
-        self.seated
+        self.seated.first().copied()
+    }
+
+    /// Every seated sequence, in admission order.
+    pub fn seated_group(&self) -> &[ResidentRef] {
+        &self.seated
     }
 
     pub fn counts(&self) -> PoolCounts {
@@ -102,6 +109,17 @@ impl RuntimeStepper {
     /// Reserve and seat. NO_CAPACITY and REJECTED change nothing.
     pub fn admit(&mut self, intent: AdmissionIntent) -> Result<AdmissionResult> {
         self.refuse_if_seated("admit")?;
+        self.seat(intent)
+    }
+
+    /// Admit into the seated group (beyond the seed): like `admit`, but requests admitted before may still be
+    /// waiting for their prefill, and `prefill_group` computes all of them in one forward. Schedulers use it so
+    /// that a burst of requests costs a few large prefill steps instead of one small step each.
+    pub fn admit_into_group(&mut self, intent: AdmissionIntent) -> Result<AdmissionResult> {
+        self.seat(intent)
+    }
+
+    fn seat(&mut self, intent: AdmissionIntent) -> Result<AdmissionResult> {
         let sampling = &intent.request.sampling;
         let key = extra_key(intent.request.lora_name.as_deref(), intent.request.cache_salt.as_deref());
         if self.slots.free_count() == 0 {
@@ -137,7 +155,7 @@ impl RuntimeStepper {
             ending: None,
         };
         self.session.insert(row);
-        self.seated = Some(resident);
+        self.seated.push(resident);
         Ok(AdmissionResult::admitted(resident))
     }
 
@@ -145,48 +163,95 @@ impl RuntimeStepper {
     pub fn prefill(&mut self, batch: &ImmutablePrefillBatch) -> Result<StepResult> {
         let target = batch.target;
         self.slots.validate(target)?;
-        match self.seated {
-            Some(seated) if seated == target => {}
-            Some(seated) => {
+        match self.seated.as_slice() {
+            [seated] if *seated == target => {}
+            [] => return protocol("nothing is seated: admit a request before prefilling it"),
+            [seated] => {
                 return protocol(format!(
                     "the seated sequence (slot {}, epoch {}) must be prefilled next, not slot {} epoch {}",
                     seated.slot, seated.epoch, target.slot, target.epoch
                 ))
             }
-            None => return protocol("nothing is seated: admit a request before prefilling it"),
-        }
-        self.seated = None;
-        let started = Instant::now();
-        let row = self.row(target)?;
-        let descriptor = ScheduledSequenceDescriptor {
-            identity: row.identity,
-            work: SequenceWork::Context,
-            query_length: row.prompt_ids.len() - row.computed,
-            past_length: row.computed,
-            select_last_token_logits: true,
-        };
-        // A latched (cancelled) sequence runs no forward: no device time to report.
-        let (outcome, timing) = if let Some(ending) = row.latched.clone() {
-            (Err(ending), StepTiming::default())
-        } else {
-            let batch = self.plan_forward(&[target], SequenceWork::Context);
-            let outcome = self.run_and_sample(&batch, &[target]);
-            self.batch_scratch = batch;
-            (outcome, self.runner.last_step_timing())
-        };
-        let ok = outcome.is_ok();
-        let row = self.row_mut(target)?;
-        row.phase = Phase::Running;
-        match outcome {
-            Ok(mut sampled) => {
-                row.computed = row.prompt_ids.len();
-                self.accept_token(target, sampled.remove(0))?;
+            group => {
+                return protocol(format!(
+                    "{} sequences are seated as a group: prefill them together with prefill_group",
+                    group.len()
+                ))
             }
-            Err(ending) => row.ending = Some(ending),
         }
-        let published = self.publish_prefix(target, CommitPolicy::PrefillOnly)?;
-        let clock = StepClock { rows: 1, tokens: descriptor.query_length, started, timing };
-        self.commit(ok, SequenceWork::Context, vec![descriptor], clock, published)
+        self.prefill_seated()
+    }
+
+    /// Compute the prompts of the whole seated group in one forward and sample each one's first token.
+    pub fn prefill_group(&mut self, group: &ImmutablePrefillGroup) -> Result<StepResult> {
+        for &r in &group.targets {
+            self.slots.validate(r)?;
+        }
+        if self.seated.is_empty() {
+            return protocol("nothing is seated: admit requests before prefilling them");
+        }
+        if group.targets != self.seated {
+            return protocol(format!(
+                "prefill_group must name exactly the seated group, in admission order ({} seated, {} named)",
+                self.seated.len(),
+                group.targets.len()
+            ));
+        }
+        self.prefill_seated()
+    }
+
+    fn prefill_seated(&mut self) -> Result<StepResult> {
+        let targets = std::mem::take(&mut self.seated);
+        let started = Instant::now();
+        let mut descriptors = Vec::with_capacity(targets.len());
+        for &r in &targets {
+            let row = self.row(r)?;
+            descriptors.push(ScheduledSequenceDescriptor {
+                identity: row.identity,
+                work: SequenceWork::Context,
+                query_length: row.prompt_ids.len() - row.computed,
+                past_length: row.computed,
+                select_last_token_logits: true,
+            });
+        }
+        // A latched (cancelled) sequence runs no forward; a step in which none runs is not ok.
+        let (latched, computing): (Vec<ResidentRef>, Vec<ResidentRef>) =
+            targets.iter().partition(|r| self.session.get(**r).is_some_and(|row| row.latched.is_some()));
+        for r in &latched {
+            let row = self.row_mut(*r)?;
+            row.ending = row.latched.clone();
+        }
+        let mut ok = !computing.is_empty();
+        let mut timing = StepTiming::default();
+        if !computing.is_empty() {
+            let batch = self.plan_forward(&computing, SequenceWork::Context);
+            let outcome = self.run_and_sample(&batch, &computing);
+            self.batch_scratch = batch;
+            timing = self.runner.last_step_timing();
+            match outcome {
+                Ok(sampled) => {
+                    for (r, s) in computing.iter().zip(sampled) {
+                        let row = self.row_mut(*r)?;
+                        row.computed = row.prompt_ids.len();
+                        self.accept_token(*r, s)?;
+                    }
+                }
+                Err(ending) => {
+                    ok = false;
+                    for r in &computing {
+                        self.row_mut(*r)?.ending = Some(ending.clone());
+                    }
+                }
+            }
+        }
+        let mut published = false;
+        for &r in &targets {
+            self.row_mut(r)?.phase = Phase::Running;
+            published |= self.publish_prefix(r, CommitPolicy::PrefillOnly)?;
+        }
+        let tokens = descriptors.iter().map(|d| d.query_length).sum();
+        let clock = StepClock { rows: targets.len(), tokens, started, timing };
+        self.commit(ok, SequenceWork::Context, descriptors, clock, published)
     }
 
     /// One generated token for each listed resident.
@@ -290,7 +355,7 @@ impl RuntimeStepper {
 
     /// Release every resident (cancelled) and forget the seat. Idempotent.
     pub fn abort_all(&mut self) -> Vec<(ResidentRef, BatchResult)> {
-        self.seated = None;
+        self.seated.clear();
         let mut out = Vec::new();
         for r in self.slots.live_refs() {
             if let Some(mut row) = self.session.remove(r) {
@@ -306,12 +371,13 @@ impl RuntimeStepper {
     }
 
     fn refuse_if_seated(&self, op: &str) -> Result<()> {
-        match self.seated {
-            Some(s) => protocol(format!(
+        match self.seated.as_slice() {
+            [] => Ok(()),
+            [s] => protocol(format!(
                 "{op} is not allowed now: the seated sequence (slot {}, epoch {}) must be prefilled first",
                 s.slot, s.epoch
             )),
-            None => Ok(()),
+            group => protocol(format!("{op} is not allowed now: the {} seated sequences must be prefilled first", group.len())),
         }
     }
 

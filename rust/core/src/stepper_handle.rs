@@ -8,7 +8,7 @@ use crate::error::{Error, Result};
 use crate::ids::ResidentRef;
 use crate::parallel::rank::{RankCommand, RankGroup, RankReply};
 use crate::state::PoolCounts;
-use crate::step::{AdmissionIntent, AdmissionResult, BatchResult, ImmutableDecodeBatch, ImmutablePrefillBatch, StepResult};
+use crate::step::{AdmissionIntent, AdmissionResult, BatchResult, ImmutableDecodeBatch, ImmutablePrefillBatch, ImmutablePrefillGroup, StepResult};
 use crate::stepped::lock;
 use crate::stepper::RuntimeStepper;
 
@@ -30,6 +30,23 @@ impl StepperHandle {
                 RankReply::Admission(a) => Ok(a),
                 other => Err(unexpected(other)),
             },
+        }
+    }
+
+    pub fn admit_into_group(&self, intent: AdmissionIntent) -> Result<AdmissionResult> {
+        match self {
+            Self::Local(s) => lock(s).admit_into_group(intent),
+            Self::Ranks(g) => match g.execute(RankCommand::AdmitIntoGroup(intent))? {
+                RankReply::Admission(a) => Ok(a),
+                other => Err(unexpected(other)),
+            },
+        }
+    }
+
+    pub fn prefill_group(&self, group: &ImmutablePrefillGroup) -> Result<StepResult> {
+        match self {
+            Self::Local(s) => lock(s).prefill_group(group),
+            Self::Ranks(g) => step(g.execute(RankCommand::PrefillGroup(group.clone()))?),
         }
     }
 

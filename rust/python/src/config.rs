@@ -192,7 +192,7 @@ impl PyConfig {
     /// Unset values take the core's defaults; validated on construction (InvalidRequestError).
     #[new]
     #[pyo3(signature = (model=None, device=None, max_batch_size=None, kv_cache_tokens=None, block_size=None,
-        max_model_len=None, context_cache=None, parallel=None, dtype=None))]
+        max_model_len=None, context_cache=None, parallel=None, dtype=None, max_prefill_tokens=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -205,6 +205,7 @@ impl PyConfig {
         context_cache: Option<PyContextCacheConfig>,
         parallel: Option<PyParallelConfig>,
         dtype: Option<&str>,
+        max_prefill_tokens: Option<usize>,
     ) -> PyResult<Self> {
         let mut c = Self::default_config();
         c.model = model.map(|m| m.to_string_lossy().into_owned());
@@ -213,6 +214,9 @@ impl PyConfig {
         }
         if let Some(v) = max_batch_size {
             c.inner.max_batch_size = v;
+        }
+        if let Some(v) = max_prefill_tokens {
+            c.inner.max_prefill_tokens = v;
         }
         if let Some(v) = kv_cache_tokens {
             c.inner.kv_cache_tokens = v;
@@ -247,6 +251,10 @@ impl PyConfig {
         self.inner.max_batch_size
     }
     #[getter]
+    fn max_prefill_tokens(&self) -> usize {
+        self.inner.max_prefill_tokens
+    }
+    #[getter]
     fn kv_cache_tokens(&self) -> usize {
         self.inner.kv_cache_tokens
     }
@@ -278,7 +286,8 @@ impl PyConfig {
         py_repr!(py, "Config", "model" => self.model(), "device" => self.device(),
             "max_batch_size" => self.inner.max_batch_size, "kv_cache_tokens" => self.inner.kv_cache_tokens,
             "block_size" => self.inner.block_size, "max_model_len" => self.inner.max_model_len,
-            "context_cache" => self.context_cache(), "parallel" => self.parallel(), "dtype" => self.dtype())
+            "context_cache" => self.context_cache(), "parallel" => self.parallel(), "dtype" => self.dtype(),
+            "max_prefill_tokens" => self.inner.max_prefill_tokens)
     }
 }
 

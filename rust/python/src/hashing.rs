@@ -105,7 +105,7 @@ fields!(BatchResult: identity, prompt_ids, output_ids, text, finish_reason, stop
 fields!(StepResult: ok, work, step_id, participants, execution, deltas, finished, published_prefix);
 fields!(AdmissionIntent: request_id, original_index, request, prompt_ids);
 fields!(ParallelConfig: tensor_parallel_size, devices);
-fields!(Config: model, device, max_batch_size, kv_cache_tokens, block_size, max_model_len, context_cache, parallel, dtype);
+fields!(Config: model, device, max_batch_size, max_prefill_tokens, kv_cache_tokens, block_size, max_model_len, context_cache, parallel, dtype);
 
 impl HashValue for Prompt {
     fn hash_value(&self, h: &mut DefaultHasher) {

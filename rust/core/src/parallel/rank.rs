@@ -14,7 +14,7 @@ use super::Fault;
 use crate::error::{Error, Result};
 use crate::ids::ResidentRef;
 use crate::state::PoolCounts;
-use crate::step::{AdmissionIntent, AdmissionResult, BatchResult, ImmutableDecodeBatch, ImmutablePrefillBatch, StepResult};
+use crate::step::{AdmissionIntent, AdmissionResult, BatchResult, ImmutableDecodeBatch, ImmutablePrefillBatch, ImmutablePrefillGroup, StepResult};
 use crate::stepper::RuntimeStepper;
 
 /// One stepped operation, executed by every rank.
@@ -23,7 +23,9 @@ use crate::stepper::RuntimeStepper;
 pub enum RankCommand {
     /// The request itself travels as the payload: each rank reserves and seats it in its own state.
     Admit(AdmissionIntent),
+    AdmitIntoGroup(AdmissionIntent),
     Prefill(ImmutablePrefillBatch),
+    PrefillGroup(ImmutablePrefillGroup),
     Decode(ImmutableDecodeBatch),
     Cancel(ResidentRef),
     AbortAll,
@@ -209,7 +211,9 @@ fn rank_worker(rank: usize, mut stepper: RuntimeStepper, collective: Arc<Collect
 fn run_command(s: &mut RuntimeStepper, command: RankCommand) -> Result<RankReply> {
     Ok(match command {
         RankCommand::Admit(intent) => RankReply::Admission(s.admit(intent)?),
+        RankCommand::AdmitIntoGroup(intent) => RankReply::Admission(s.admit_into_group(intent)?),
         RankCommand::Prefill(batch) => RankReply::Step(s.prefill(&batch)?),
+        RankCommand::PrefillGroup(group) => RankReply::Step(s.prefill_group(&group)?),
         RankCommand::Decode(batch) => RankReply::Step(s.decode(&batch)?),
         RankCommand::Cancel(r) => {
             s.cancel(r)?;

@@ -1,0 +1,63 @@
+//! Batched prefill for the schedulers (the engine and whole-batch dispatch): the heads of the queue are seated
+//! as one group and prefilled in one tick, so a burst of requests costs a few large forwards instead of one
+//! small forward each (vLLM's `max_num_batched_tokens` plays the same part). Order stays first come, first
+//! served: the group stops at the first head that does not fit now.
+
+use std::collections::VecDeque;
+
+use crate::error::Result;
+use crate::ids::ResidentRef;
+use crate::step::{AdmissionIntent, AdmissionStatus};
+use crate::stepper_handle::StepperHandle;
+
+/// Default of `Config::max_prefill_tokens`: vLLM's default step budget for chunked prefill.
+pub const DEFAULT_MAX_PREFILL_TOKENS: usize = 8192;
+
+/// What seating a group did besides the admissions handed to `on_admitted`.
+#[derive(Debug, Default)]
+pub struct SeatedGroup {
+    /// The seated residents, in admission order: the targets of the group's prefill (empty: none fit).
+    pub targets: Vec<ResidentRef>,
+    /// Why the head of the queue could not be admitted now, when nothing was.
+    pub head_refused: Option<String>,
+}
+
+/// Admit heads of `waiting` into one prefill group while the group's prompt tokens stay within `max_tokens`
+/// (a single prompt longer than that still goes, alone). Each admitted head leaves the queue through
+/// `on_admitted` at once, so a failure later in the group loses no request; a REJECTED head leaves it through
+/// `on_rejected`. A head that gets NO_CAPACITY, or would overflow the budget, ends the group and stays queued.
+pub fn seat_prefill_group<T>(
+    stepper: &StepperHandle,
+    waiting: &mut VecDeque<T>,
+    intent_of: impl Fn(&T) -> &AdmissionIntent,
+    max_tokens: usize,
+    mut on_admitted: impl FnMut(T, ResidentRef),
+    mut on_rejected: impl FnMut(T, Option<String>),
+) -> Result<SeatedGroup> {
+    let mut group = SeatedGroup::default();
+    let mut tokens = 0;
+    while let Some(head) = waiting.front() {
+        let intent = intent_of(head);
+        let prompt = intent.prompt_ids.len();
+        if !group.targets.is_empty() && tokens + prompt > max_tokens {
+            break;
+        }
+        let adm = stepper.admit_into_group(intent.clone())?;
+        match adm.status {
+            AdmissionStatus::Admitted => {
+                let resident = adm.resident.expect("an admitted request has a resident");
+                tokens += prompt;
+                group.targets.push(resident);
+                on_admitted(waiting.pop_front().expect("the head exists"), resident);
+            }
+            AdmissionStatus::Rejected => on_rejected(waiting.pop_front().expect("the head exists"), adm.reason),
+            AdmissionStatus::NoCapacity => {
+                if group.targets.is_empty() {
+                    group.head_refused = Some(adm.reason.unwrap_or_default());
+                }
+                break;
+            }
+        }
+    }
+    Ok(group)
+}
