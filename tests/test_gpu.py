@@ -253,6 +253,34 @@ def test_stepped_admission_mid_stream_on_gpu(models_dir: Path) -> None:
     assert_released(coord)
 
 
+@pytest.mark.parametrize("name", ["qwen3", "smollm2"])
+def test_tiled_prefill_attention_matches_transformers(name: str, models_dir: Path) -> None:
+    """Prompts long enough for the tensor-core prefill attention (several 64-token query tiles and 32-position
+    K/V tiles, causal edges inside tiles), prefilled together as one group, then a prompt whose first 160
+    tokens are cached (published by the first group's 300-token prompt), so the tiled kernel also attends over a
+    cached prefix: the first token's log-probabilities must match transformers'."""
+    path = gpu_models.make(name, models_dir)
+    long = [(11 * i + 5) % 397 + 2 for i in range(300)]
+    prompts = [long[:150], PROMPT[:37], long]
+    extended = long[:160] + [(13 * i + 1) % 397 + 2 for i in range(100)]
+    coord = coordinator(path, "cuda")
+    outs = coord.dispatch_request([stepllm.GenerationRequest(p, greedy(1, logprobs=10)) for p in prompts])
+    hit = coord.dispatch_request([stepllm.GenerationRequest(extended, greedy(1, logprobs=10))])[0]
+    assert hit.cached_prompt_tokens == 160, hit.cached_prompt_tokens
+    seqs = prompts + [extended]
+    forced = hf_logits(path, seqs)
+    for p, out, logits in zip(seqs, outs + [hit], forced):
+        row = logits[len(p) - 1]
+        expected = torch.log_softmax(row, -1)
+        lp = out.logprobs[0]
+        ref_top = top2(row[None])
+        assert_greedy_agrees([lp.token_id], [ref_top[0][0]], ref_top, (name, len(p)))
+        for tok, value in lp.top[:10]:
+            want = expected[tok].item()
+            tol = logprob_tol(row, tok) + 0.03 * abs(want)
+            assert abs(value - want) < tol, (name, len(p), tok, value, want, tol)
+
+
 def test_gpu_prefix_cache_hit_equals_miss(models_dir: Path) -> None:
     """A hit prefills only the prompt's tail, attending over cached KV blocks; the output must not change."""
     path = gpu_models.make("qwen3", models_dir)

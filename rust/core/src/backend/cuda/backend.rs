@@ -30,6 +30,12 @@ const GEMV_WARPS: usize = 8;
 const MAX_ATTENTION_SPLITS: usize = 16;
 /// Heads (one warp each) per block of the RoPE kernel: ROPE_WARPS in kernels/rope.cu.
 const ROPE_WARPS: usize = 4;
+/// Query rows per block of the tiled prefill attention (PF_BQ in kernels/prefill_attention.cu) and its threads.
+const PREFILL_QUERY_TILE: usize = 64;
+const PREFILL_THREADS: u32 = 128;
+/// Prefill steps whose longest query is at least this many tokens use the tiled prefill attention; shorter ones
+/// (a prompt tail after a prefix-cache hit) gain nothing from tiles and keep the paged kernel.
+const PREFILL_TILED_MIN_QUERY: usize = 16;
 
 /// Whether the attention's q and k are rotated already (the RoPE kernel ran) or the attention kernel rotates
 /// them itself, with the per-head norm weights if the model has them (kernels/attention.cu).
@@ -70,6 +76,8 @@ struct Kernels {
     attention: Vec<((usize, usize), Func)>,
     /// The same shapes, rotating q and k themselves (decode batches only).
     attention_rope: Vec<((usize, usize), Func)>,
+    /// (head_dim, kernel): tensor-core attention for prefill steps.
+    prefill_attention: Vec<(usize, Func)>,
     pub sample: Func,
 }
 
@@ -102,6 +110,10 @@ impl Kernels {
             ],
             attention,
             attention_rope,
+            prefill_attention: [64, 128]
+                .into_iter()
+                .map(|d| Ok((d, gpu.function("prefill_attention", &format!("prefill_attention_d{d}"))?)))
+                .collect::<Result<_>>()?,
             sample: gpu.function("sampling", "sample_rows")?,
         })
     }
@@ -159,8 +171,11 @@ pub struct CudaBatch {
     layout: MetaLayout,
     pub n_tokens: usize,
     pub n_logits: usize,
+    pub n_seqs: usize,
     /// Longest context of the batch; None while capturing a graph (the replayed batch is not known yet).
     max_context: Option<usize>,
+    /// Most query tokens of one sequence (1 in decode steps).
+    max_query_len: usize,
     /// Every sequence has exactly one query token (a decode step), so attention may rotate q and k itself.
     decode_only: bool,
 }
@@ -254,6 +269,8 @@ pub(super) struct Inner {
     blas: Blas,
     kernels: Kernels,
     gemv_max_rows: usize,
+    /// STEPLLM_NO_TILED_PREFILL=1 keeps prefill on the paged attention kernel (for comparisons).
+    tiled_prefill: bool,
     /// Dynamic shared memory a GEMV block may use (it holds the block's input rows).
     gemv_smem: usize,
     /// Blocks resident per multiprocessor of each GEMV launch shape, filled as launches ask.
@@ -281,9 +298,11 @@ impl CudaBackend {
         for f in kernels.gemv.iter().flatten() {
             gemv_smem = gemv_smem.min(gpu.allow_max_dynamic_shared_memory(*f)?);
         }
+        let tiled_prefill = std::env::var_os("STEPLLM_NO_TILED_PREFILL").is_none();
         let state = Mutex::new(State::default());
         let gemv_occupancy = Mutex::new(Vec::new());
-        Ok(Self { inner: Arc::new(Inner { gpu, blas, kernels, gemv_max_rows, gemv_smem, gemv_occupancy, state }) })
+        let inner = Inner { gpu, blas, kernels, gemv_max_rows, tiled_prefill, gemv_smem, gemv_occupancy, state };
+        Ok(Self { inner: Arc::new(inner) })
     }
 
     pub fn gpu(&self) -> &Gpu {
@@ -438,6 +457,44 @@ impl CudaBackend {
         let blocks = self.inner.gpu.blocks_per_multiprocessor(f, GEMV_THREADS, smem)?;
         known.push((key, blocks));
         Ok(blocks)
+    }
+
+    /// The tensor-core prefill attention, when this step has prompts long enough to fill its query tiles.
+    fn tiled_prefill_kernel(&self, shape: &AttentionShape, batch: &CudaBatch) -> Option<Func> {
+        if !self.inner.tiled_prefill || batch.decode_only || batch.max_query_len < PREFILL_TILED_MIN_QUERY {
+            return None;
+        }
+        self.inner.kernels.prefill_attention.iter().find(|(d, _)| *d == shape.head_dim).map(|&(_, f)| f)
+    }
+
+    /// One block per (sequence, tile of PREFILL_QUERY_TILE query tokens, query head); q and k rotated already.
+    #[allow(clippy::too_many_arguments)]
+    fn launch_prefill_attention(
+        &self,
+        f: Func,
+        qkv: &CudaTensor,
+        shape: &AttentionShape,
+        batch: &CudaBatch,
+        cache: &CudaKvCache,
+        layer: usize,
+        out: &mut CudaTensor,
+    ) -> Result<()> {
+        self.ensure(out, batch.n_tokens, shape.q_dim())?;
+        let args = [
+            Arg::Ptr(qkv.ptr()),
+            Arg::I32(shape.qkv_width() as i32),
+            Arg::Ptr(batch.section(batch.layout.seq_info)),
+            Arg::Ptr(batch.section(batch.layout.tables)),
+            Arg::Ptr(cache.keys[layer].ptr()),
+            Arg::Ptr(cache.values[layer].ptr()),
+            Arg::I32(cache.shape.block_size as i32),
+            Arg::I32(shape.num_kv_heads as i32),
+            Arg::I32(shape.group_size() as i32),
+            Arg::F32(shape.softmax_scale()),
+            Arg::Ptr(out.ptr()),
+        ];
+        let grid = (batch.n_seqs as u32, batch.max_query_len.div_ceil(PREFILL_QUERY_TILE) as u32, shape.num_heads as u32);
+        self.inner.gpu.launch(f, grid, PREFILL_THREADS, &args)
     }
 
     /// The paged attention kernel for this shape; with [`QkRotation::InKernel`] (decode batches only), the
@@ -599,12 +656,14 @@ impl Backend for CudaBackend {
         self.inner.gpu.bind()?;
         batch.n_tokens = plan.num_tokens();
         batch.n_logits = plan.logits_rows.len();
+        batch.n_seqs = plan.seqs.len();
         let capture = self.state().capture;
         if let Some((base, layout)) = capture {
             // Capturing: kernels read the fixed graph buffer, filled before each replay.
             batch.base = base;
             batch.layout = layout;
             batch.max_context = None;
+            batch.max_query_len = 1;
             batch.decode_only = true; // only decode steps are captured
             return Ok(());
         }
@@ -625,6 +684,7 @@ impl Backend for CudaBackend {
         batch.base = own.ptr();
         batch.layout = layout;
         batch.max_context = plan.seqs.iter().map(|s| s.context_len()).max();
+        batch.max_query_len = plan.seqs.iter().map(|s| s.len as usize).max().unwrap_or(0);
         batch.decode_only = plan.is_decode();
         Ok(())
     }
@@ -789,6 +849,9 @@ impl Backend for CudaBackend {
         out: &mut CudaTensor,
     ) -> Result<()> {
         check_attention(qkv, shape, batch, cache, layer)?;
+        if let Some(f) = self.tiled_prefill_kernel(shape, batch) {
+            return self.launch_prefill_attention(f, qkv, shape, batch, cache, layer, out);
+        }
         self.launch_attention(qkv, shape, batch, cache, layer, out, QkRotation::Done)
     }
 
