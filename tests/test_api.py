@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 import stepllm
-from conftest import coordinator, greedy, model_dir
+from conftest import coordinator, expected, greedy, model_dir, row_request
 
 
 def test_every_documented_name_is_exported() -> None:
@@ -210,6 +210,43 @@ def test_admission_intent_then_admit() -> None:
     assert adm.status == stepllm.AdmissionStatus.ADMITTED and adm.ref == adm.resident and adm.reason is None
     assert "AdmissionResult(status=AdmissionStatus.ADMITTED, ref=ResidentRef(" in repr(adm)
     stepped.abort()
+
+
+def test_stepped_group_prefill_gives_what_each_request_gets_alone() -> None:
+    rows = expected("qwen2")["rows"]
+    coord = coordinator("qwen2")
+    stepped = coord.begin_stepped(row_request(rows[0]), request_id=1, original_index=0)
+    founder = stepped.founder()
+    # The group form waits for the founder's first token, as admit does.
+    with pytest.raises(stepllm.ProtocolError, match="founder"):
+        stepped.admit_into_group(row_request(rows[1]), original_index=1, request_id=2)
+    stepped.prefill(stepllm.ImmutablePrefillBatch(target=founder))
+    refs = []
+    for i, row in enumerate(rows[1:], start=1):
+        adm = stepped.admit_into_group(row_request(row), original_index=i, request_id=i + 1)
+        assert adm.status == stepllm.AdmissionStatus.ADMITTED, adm.reason
+        refs.append(adm.ref)
+    before = stepped.counts()
+    with pytest.raises(stepllm.ProtocolError, match="prefill_group"):
+        stepped.prefill(stepllm.ImmutablePrefillBatch(target=refs[0]))
+    with pytest.raises(stepllm.ProtocolError, match="exactly the seated group"):
+        stepped.prefill_group(stepllm.ImmutablePrefillGroup(targets=refs[::-1]))
+    with pytest.raises(stepllm.ProtocolError):
+        stepped.decode(stepllm.ImmutableDecodeBatch(residents=stepped.residents()))
+    assert stepped.counts() == before  # refused operations change nothing
+    group = stepllm.ImmutablePrefillGroup(targets=refs)
+    assert group == stepllm.ImmutablePrefillGroup(targets=list(refs)) and hash(group) == hash(stepllm.ImmutablePrefillGroup(refs))
+    assert "ImmutablePrefillGroup(targets=[ResidentRef(" in repr(group)
+    step = stepped.prefill_group(group)
+    assert step.ok and step.work == stepllm.SequenceWork.CONTEXT and step.execution.rows == len(refs)
+    assert [p.identity.resident for p in step.participants] == refs
+    outputs = {}
+    while stepped.residents():
+        for ref, result in stepped.decode(stepllm.ImmutableDecodeBatch(residents=stepped.residents())).finished:
+            outputs[result.identity.request_id] = result.output_ids
+    assert stepped.finish().output_ids == rows[0]["greedy_ids"]
+    for i, row in enumerate(rows[1:], start=1):
+        assert outputs[i + 1] == row["greedy_ids"], i
 
 
 def test_stepped_session_usable_from_threads_and_releases_the_gil() -> None:

@@ -46,6 +46,7 @@ class SteppedMachine(RuleBasedStateMachine):
         self.live: set[stepllm.ResidentRef] = set()
         self.dead: set[stepllm.ResidentRef] = set()
         self.seated: stepllm.ResidentRef | None = None
+        self.group: list[stepllm.ResidentRef] = []  # admitted into a group, waiting for prefill_group
         self.founder_reported = False
         self.baseline: dict[str, int] = {}
         self.next_id = 1
@@ -92,6 +93,7 @@ class SteppedMachine(RuleBasedStateMachine):
         self.live = {founder}  # tracked until its first prefill tick reports it
         self.founder_reported = False
         self.seated = None
+        self.group = []
 
     def refused(self, call: Any, exc: type[BaseException]) -> None:
         counts, residents = self.coord.counts(), self.stepped.residents() if self.stepped else []
@@ -108,7 +110,7 @@ class SteppedMachine(RuleBasedStateMachine):
         assert counts["leased_blocks"] == 0
         self.dead |= self.live
         self.live.clear()
-        self.stepped, self.seated, self.founder_reported = None, None, False
+        self.stepped, self.seated, self.founder_reported, self.group = None, None, False, []
 
     # ------------------------------------------------------------------------------------------ rules
 
@@ -128,7 +130,7 @@ class SteppedMachine(RuleBasedStateMachine):
         assert step.work == stepllm.SequenceWork.CONTEXT
         self.absorb(step)
 
-    @precondition(lambda self: self.founder_reported and self.seated is None)
+    @precondition(lambda self: self.founder_reported and self.seated is None and not self.group)
     @rule(prompt=prompts, sampling=samplings, budget=st.sampled_from(["as drawn", "tight", "never"]))
     def admit(self, prompt: list[int], sampling: stepllm.SamplingParams, budget: str) -> None:
         if budget == "tight":  # fits an idle pool only: NO_CAPACITY while others hold blocks
@@ -148,6 +150,32 @@ class SteppedMachine(RuleBasedStateMachine):
             assert self.coord.counts() == counts
 
     @precondition(lambda self: self.founder_reported and self.seated is None)
+    @rule(prompt=prompts, sampling=samplings)
+    def admit_into_group(self, prompt: list[int], sampling: stepllm.SamplingParams) -> None:
+        """Beyond the seed: seat another request into the group that one prefill_group computes."""
+        self.next_id += 1
+        counts = self.coord.counts()
+        adm = self.stepped.admit_into_group(self.request(prompt, sampling), original_index=self.next_id, request_id=self.next_id)
+        event(f"group admission {adm.status}")
+        if adm.status == stepllm.AdmissionStatus.ADMITTED:
+            assert adm.ref is not None and adm.ref not in self.dead and adm.ref not in self.live
+            self.live.add(adm.ref)
+            self.group.append(adm.ref)
+        else:
+            assert adm.ref is None and adm.reason
+            assert self.coord.counts() == counts
+
+    @precondition(lambda self: bool(self.group))
+    @rule()
+    def prefill_group(self) -> None:
+        group, self.group = self.group, []
+        step = self.stepped.prefill_group(stepllm.ImmutablePrefillGroup(targets=group))
+        assert [p.identity.resident for p in step.participants] == group
+        assert step.work == stepllm.SequenceWork.CONTEXT
+        event(f"prefill group of {min(len(group), 3)}{'+' if len(group) > 3 else ''}")
+        self.absorb(step)
+
+    @precondition(lambda self: self.founder_reported and self.seated is None and not self.group)
     @rule(data=st.data())
     def decode(self, data: st.DataObject) -> None:
         residents = self.stepped.residents()
@@ -174,7 +202,7 @@ class SteppedMachine(RuleBasedStateMachine):
         self.closed()
         self.open_session(prompt, sampling)
 
-    @precondition(lambda self: self.founder_reported and self.seated is None)
+    @precondition(lambda self: self.founder_reported and self.seated is None and not self.group)
     @rule(prompt=prompts, sampling=samplings)
     def finish(self, prompt: list[int], sampling: stepllm.SamplingParams) -> None:
         if self.stepped.residents():
@@ -207,7 +235,8 @@ class SteppedMachine(RuleBasedStateMachine):
             stale = data.draw(st.sampled_from(candidates))
             self.refused(lambda: self.stepped.decode(stepllm.ImmutableDecodeBatch(residents=[stale])), stepllm.ProtocolError)
             self.refused(lambda: self.stepped.cancel(stale), stepllm.ProtocolError)
-            if self.founder_reported and self.seated is None:
+            self.refused(lambda: self.stepped.prefill_group(stepllm.ImmutablePrefillGroup(targets=[stale])), stepllm.ProtocolError)
+            if self.founder_reported and self.seated is None and not self.group:
                 self.refused(lambda: self.stepped.prefill(stepllm.ImmutablePrefillBatch(target=stale)), stepllm.ProtocolError)
         elif kind == "out_of_order":
             residents = self.stepped.residents()
@@ -221,6 +250,13 @@ class SteppedMachine(RuleBasedStateMachine):
                 others = [r for r in residents if r != self.seated]
                 if others:
                     self.refused(lambda: self.stepped.prefill(stepllm.ImmutablePrefillBatch(target=others[0])), stepllm.ProtocolError)
+            elif self.group:
+                # while a group waits for its prefill: decode, a seed admit, a group that is not exactly the seated one
+                group = list(self.group)
+                self.refused(lambda: self.stepped.decode(stepllm.ImmutableDecodeBatch(residents=group[:1])), stepllm.ProtocolError)
+                self.refused(lambda: self.stepped.admit(stepllm.GenerationRequest([5, 6]), 0, 98), stepllm.ProtocolError)
+                wrong = stepllm.ImmutablePrefillGroup(targets=group[::-1] + group[:1])
+                self.refused(lambda: self.stepped.prefill_group(wrong), stepllm.ProtocolError)
             elif residents:
                 # prefill of a running (not seated) ref; finish while residents live; a duplicate decode batch
                 self.refused(lambda: self.stepped.prefill(stepllm.ImmutablePrefillBatch(target=residents[0])), stepllm.ProtocolError)

@@ -199,6 +199,15 @@ class ImmutablePrefillBatch:
     def __hash__(self) -> int: ...
 
 @final
+class ImmutablePrefillGroup:
+    """The whole seated group of SteppedRequest.admit_into_group, in admission order (beyond the seed)."""
+    def __new__(cls, targets: Sequence[ResidentRef]) -> ImmutablePrefillGroup: ...
+    @property
+    def targets(self) -> list[ResidentRef]: ...
+    def __eq__(self, other: object, /) -> bool: ...
+    def __hash__(self) -> int: ...
+
+@final
 class ImmutableDecodeBatch:
     def __new__(cls, residents: Sequence[ResidentRef]) -> ImmutableDecodeBatch: ...
     @property
@@ -519,6 +528,12 @@ class SteppedRequest:
     def admit(self, request: GenerationRequest, original_index: int, request_id: int) -> AdmissionResult:
         """build_intent then admit_intent; an ADMITTED ref's prefill must be the next operation."""
     def prefill(self, batch: ImmutablePrefillBatch) -> StepResult: ...
+    def admit_intent_into_group(self, intent: AdmissionIntent) -> AdmissionResult: ...
+    def admit_into_group(self, request: GenerationRequest, original_index: int, request_id: int) -> AdmissionResult:
+        """Beyond the seed: like admit, but earlier admissions may still be waiting for their prefill; one
+        prefill_group tick then computes every seated request in one forward (batched prefill)."""
+    def prefill_group(self, group: ImmutablePrefillGroup) -> StepResult:
+        """Prefill the whole seated group; `group.targets` must list it exactly, in admission order."""
     def decode(self, batch: ImmutableDecodeBatch) -> StepResult: ...
     def residents(self) -> list[ResidentRef]: ...
     def materialize(self, result: BatchResult, stop_strings: Sequence[str] = ...) -> GenerationResponse: ...
@@ -601,6 +616,7 @@ __all__ = [
     "AdmissionStatus",
     "AdmissionResult",
     "ImmutablePrefillBatch",
+    "ImmutablePrefillGroup",
     "ImmutableDecodeBatch",
     "FinishReason",
     "TokenLogprob",

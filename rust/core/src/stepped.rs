@@ -10,7 +10,10 @@ use crate::error::{protocol, Error, Result};
 use crate::ids::{RequestId, ResidentRef};
 use crate::intent::IntentBuilder;
 use crate::request::{GenerationRequest, GenerationResponse};
-use crate::step::{AdmissionIntent, AdmissionResult, AdmissionStatus, BatchResult, ImmutableDecodeBatch, ImmutablePrefillBatch, StepResult};
+use crate::step::{
+    AdmissionIntent, AdmissionResult, AdmissionStatus, BatchResult, ImmutableDecodeBatch, ImmutablePrefillBatch, ImmutablePrefillGroup,
+    StepResult,
+};
 use crate::stepper::RuntimeStepper;
 use crate::text::stop::truncate_at_stop;
 
@@ -21,6 +24,10 @@ pub trait SteppedExecution {
     /// Stages 2 and 3: reserve (refusable) and seat. An admitted sequence's prefill must be the next operation.
     fn admit(&mut self, intent: AdmissionIntent) -> Result<AdmissionResult>;
     fn prefill(&mut self, batch: &ImmutablePrefillBatch) -> Result<StepResult>;
+    /// Beyond the seed: admit while other admitted requests still wait for their prefill; one `prefill_group`
+    /// tick then computes the whole seated group (admission order) in one forward.
+    fn admit_into_group(&mut self, intent: AdmissionIntent) -> Result<AdmissionResult>;
+    fn prefill_group(&mut self, group: &ImmutablePrefillGroup) -> Result<StepResult>;
     fn decode(&mut self, batch: &ImmutableDecodeBatch) -> Result<StepResult>;
     fn residents(&self) -> Result<Vec<ResidentRef>>;
     fn materialize(&self, result: &BatchResult, stop_strings: &[String]) -> GenerationResponse;
@@ -189,6 +196,20 @@ impl SteppedExecution for SteppedRequest {
             }
         }
         let result = self.stepper.prefill(batch)?;
+        self.observe(&result);
+        Ok(result)
+    }
+
+    fn admit_into_group(&mut self, intent: AdmissionIntent) -> Result<AdmissionResult> {
+        self.ensure_open()?;
+        self.ensure_founder_reported()?;
+        self.stepper.admit_into_group(intent)
+    }
+
+    fn prefill_group(&mut self, group: &ImmutablePrefillGroup) -> Result<StepResult> {
+        self.ensure_open()?;
+        self.ensure_founder_reported()?;
+        let result = self.stepper.prefill_group(group)?;
         self.observe(&result);
         Ok(result)
     }

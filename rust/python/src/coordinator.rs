@@ -13,7 +13,7 @@ use crate::errors::{compute, compute_ok};
 use crate::request::{prompt_from_py, PyGenerationRequest, PyGenerationResponse};
 use crate::types::{
     refs, PyAdmissionIntent, PyAdmissionResult, PyBatchResult, PyImmutableDecodeBatch,
-    PyImmutablePrefillBatch, PyResidentRef, PyStepResult,
+    PyImmutablePrefillBatch, PyImmutablePrefillGroup, PyResidentRef, PyStepResult,
 };
 
 pub fn counts_dict<'py>(py: Python<'py>, c: &PoolCounts) -> PyResult<Bound<'py, PyDict>> {
@@ -230,6 +230,31 @@ impl PySteppedRequest {
 
     fn prefill(&self, py: Python<'_>, batch: PyImmutablePrefillBatch) -> PyResult<PyStepResult> {
         Ok(PyStepResult(compute(py, || self.lock().prefill(&batch.0))?))
+    }
+
+    /// Reserve and seat an intent into the group that one prefill_group tick computes together.
+    fn admit_intent_into_group(&self, py: Python<'_>, intent: PyAdmissionIntent) -> PyResult<PyAdmissionResult> {
+        Ok(PyAdmissionResult(compute(py, || self.lock().admit_into_group(intent.0))?))
+    }
+
+    /// build_intent then admit_intent_into_group.
+    fn admit_into_group(
+        &self,
+        py: Python<'_>,
+        request: PyGenerationRequest,
+        original_index: u32,
+        request_id: u64,
+    ) -> PyResult<PyAdmissionResult> {
+        let result = compute(py, || {
+            let mut s = self.lock();
+            let intent = s.build_intent(request.0, original_index, request_id)?;
+            s.admit_into_group(intent)
+        })?;
+        Ok(PyAdmissionResult(result))
+    }
+
+    fn prefill_group(&self, py: Python<'_>, group: PyImmutablePrefillGroup) -> PyResult<PyStepResult> {
+        Ok(PyStepResult(compute(py, || self.lock().prefill_group(&group.0))?))
     }
 
     fn decode(&self, py: Python<'_>, batch: PyImmutableDecodeBatch) -> PyResult<PyStepResult> {

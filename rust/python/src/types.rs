@@ -6,7 +6,7 @@ use pyo3::IntoPyObjectExt;
 use stepllm_core::ids::{ResidentRef, SequenceIdentity};
 use stepllm_core::step::{
     AdmissionIntent, AdmissionResult, AdmissionStatus, BatchResult, ImmutableDecodeBatch,
-    ImmutablePrefillBatch, ScheduledSequenceDescriptor, SequenceWork, StepExecution, StepResult,
+    ImmutablePrefillBatch, ImmutablePrefillGroup, ScheduledSequenceDescriptor, SequenceWork, StepExecution, StepResult,
     TokenDelta,
 };
 
@@ -491,6 +491,34 @@ impl PyImmutablePrefillBatch {
 
 #[pyclass(
     module = "stepllm._core",
+    name = "ImmutablePrefillGroup",
+    frozen,
+    eq,
+    hash,
+    from_py_object
+)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct PyImmutablePrefillGroup(pub ImmutablePrefillGroup);
+
+#[pymethods]
+impl PyImmutablePrefillGroup {
+    #[new]
+    fn new(targets: Vec<PyResidentRef>) -> Self {
+        Self(ImmutablePrefillGroup {
+            targets: targets.into_iter().map(|r| r.0).collect(),
+        })
+    }
+    #[getter]
+    fn targets(&self) -> Vec<PyResidentRef> {
+        refs(&self.0.targets)
+    }
+    fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
+        py_repr!(py, "ImmutablePrefillGroup", "targets" => self.targets())
+    }
+}
+
+#[pyclass(
+    module = "stepllm._core",
     name = "ImmutableDecodeBatch",
     frozen,
     eq,
@@ -530,6 +558,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyAdmissionStatus>()?;
     m.add_class::<PyAdmissionResult>()?;
     m.add_class::<PyImmutablePrefillBatch>()?;
+    m.add_class::<PyImmutablePrefillGroup>()?;
     m.add_class::<PyImmutableDecodeBatch>()?;
     Ok(())
 }
