@@ -48,6 +48,42 @@ pub struct CudaRunner {
     last_replayed: bool,
     /// Microseconds the last forward spent blocked on the device.
     last_wait_us: u64,
+    trace: Option<ReplayTrace>,
+}
+
+/// STEPLLM_TRACE_REPLAY=1: the mean host time of each phase of a graph replay, printed to stderr every
+/// TRACE_EVERY replays, to see on a given machine how much of a decode tick's host time (`elapsed_us -
+/// device_wait_us`) the replay takes and how much the stepper's bookkeeping around it.
+struct ReplayTrace {
+    phases_ns: [u64; 3],
+    replays: u64,
+}
+
+const TRACE_EVERY: u64 = 200;
+
+impl ReplayTrace {
+    fn from_env() -> Option<Self> {
+        std::env::var_os("STEPLLM_TRACE_REPLAY").map(|_| Self { phases_ns: [0; 3], replays: 0 })
+    }
+
+    /// `marks`: before packing the metadata, before copying it in, before launching the graph, after.
+    fn record(&mut self, rows: usize, bucket: usize, marks: [Instant; 4]) {
+        for (i, total) in self.phases_ns.iter_mut().enumerate() {
+            *total += (marks[i + 1] - marks[i]).as_nanos() as u64;
+        }
+        self.replays += 1;
+        if self.replays.is_multiple_of(TRACE_EVERY) {
+            let us = |ns: u64| ns as f64 / TRACE_EVERY as f64 / 1e3;
+            let [pack, copy, launch] = std::mem::take(&mut self.phases_ns);
+            eprintln!(
+                "stepllm: replay trace, batch {rows} (graph {bucket}), mean of {TRACE_EVERY}: metadata pack {:.1} us, \
+                 copy {:.1} us, graph launch {:.1} us",
+                us(pack),
+                us(copy),
+                us(launch)
+            );
+        }
+    }
 }
 
 /// 1, 2, 4, 8, then steps up to `max`.
@@ -65,7 +101,8 @@ pub fn decode_buckets(max: usize) -> Vec<usize> {
 
 impl CudaRunner {
     pub fn new(model: LlamaModel<CudaBackend>, backend: CudaBackend) -> Self {
-        Self { model, backend, sampler: Sampler::default(), graphs: None, kv: None, last_replayed: false, last_wait_us: 0 }
+        let trace = ReplayTrace::from_env();
+        Self { model, backend, sampler: Sampler::default(), graphs: None, kv: None, last_replayed: false, last_wait_us: 0, trace }
     }
 
     /// Forward on the device, leaving the logits there (None for an empty batch).
@@ -103,6 +140,7 @@ impl CudaRunner {
         if !decode {
             return Ok(None);
         }
+        let packing = Instant::now();
         let plan = BatchPlan::new(batch, block_size, num_blocks, self.model.config().vocab_size)?;
         if plan.block_tables.len() + 1 > graphs.table_cap {
             return Ok(None);
@@ -125,8 +163,13 @@ impl CudaRunner {
         }
         // The context is bound by forward_and_sample, the only caller.
         let gpu = self.backend.gpu();
+        let copying = Instant::now();
         gpu.upload(graphs.meta.ptr(), &graphs.staging.as_slice()[..words])?;
+        let launching = Instant::now();
         graph.0.launch().map_err(|e| Error::Device(format!("CUDA graph launch (batch {bucket}): {e:?}")))?;
+        if let Some(trace) = self.trace.as_mut() {
+            trace.record(n, bucket, [packing, copying, launching, Instant::now()]);
+        }
         Ok(Some(logits))
     }
 
