@@ -132,11 +132,12 @@ def test_run_rejects_malformed_input_clearly(tmp_path: Path, content: str, needl
 
 
 def test_info_describes_the_model() -> None:
-    out = stepllm_cli("info", "--model", model_dir("qwen3"), "--device", "cpu", "--kv-cache-tokens", "512")
+    out = stepllm_cli("info", "--model", model_dir("qwen3"), "--device", "cpu", "--kv-cache-tokens", "512",
+                      "--max-prefill-tokens", "300")
     assert out.returncode == 0, out.stderr
     fields = dict(line.split(None, 1) for line in out.stdout.splitlines())
     assert fields["architecture"] == "Qwen3ForCausalLM"
-    assert fields["kv_cache_tokens"] == "512"
+    assert fields["kv_cache_tokens"] == "512" and fields["max_prefill_tokens"] == "300"
     assert "cpu" in fields["device"] and "f32" in fields["device"]
     assert int(fields["parameters"]) > 0
 

@@ -85,6 +85,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
     p.add_argument("--max-batch-size", type=int, default=8)
     p.add_argument("--kv-cache-tokens", type=int, default=16384)
+    p.add_argument("--max-prefill-tokens", type=int, default=8192, help="most prompt tokens prefilled together in one step")
     p.add_argument(
         "--dtype",
         default=None,
@@ -116,6 +117,7 @@ def open_engine(args: argparse.Namespace, max_batch_size: int | None = None) -> 
         max_batch_size=max_batch_size or args.max_batch_size,
         kv_cache_tokens=args.kv_cache_tokens,
         dtype=args.dtype,
+        max_prefill_tokens=args.max_prefill_tokens,
     )
     started = time.perf_counter()
     engine = Engine(config, progress=ProgressBar(f"loading {Path(model).name}"))
