@@ -25,13 +25,6 @@
 // uses at most this many even if gridDim.z is larger.
 #define MAX_SPLITS 16
 
-// 2^x, flushing denormals; 2^-inf = 0. Scores are kept in the log2 domain (log2(e) is folded into q).
-__device__ __forceinline__ float fast_exp2(float x) {
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-    return y;
-}
-
 // Unsigned division by a runtime constant (block_size) in three instructions: valid for n < 2^31.
 struct FastDiv {
     u32 magic, shift;
@@ -67,11 +60,7 @@ __device__ __forceinline__ void merge_state(float& m, float& l, float* acc, floa
 }
 
 __device__ __forceinline__ void store4_bf16(bf16* p, float a, float b, float c, float d) {
-    uint2 raw;
-    __nv_bfloat162 lo = __floats2bfloat162_rn(a, b), hi = __floats2bfloat162_rn(c, d);
-    raw.x = *reinterpret_cast<u32*>(&lo);
-    raw.y = *reinterpret_cast<u32*>(&hi);
-    *reinterpret_cast<uint2*>(p) = raw;
+    *reinterpret_cast<uint2*>(p) = make_uint2(pack_bf16(a, b), pack_bf16(c, d));
 }
 
 // U: sub-steps (positions per lane-group) whose K/V loads are in flight together, as many as registers allow

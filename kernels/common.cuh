@@ -60,6 +60,19 @@ __device__ __forceinline__ u32 order_key(float x) {
     return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
 }
 
+// Two floats as one bf16x2 word (round to nearest), `lo` in the low half.
+__device__ __forceinline__ u32 pack_bf16(float lo, float hi) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<u32*>(&v);
+}
+
+// 2^x, flushing denormals; 2^-inf = 0. Attention keeps its scores in the log2 domain (log2(e) folded into q).
+__device__ __forceinline__ float fast_exp2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
 __device__ __forceinline__ void store8(bf16* p, const float v[8]) {
     uint4 raw;
     __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&raw);

@@ -44,17 +44,6 @@ __device__ __forceinline__ void mma_bf16(float c[4], const u32 a[4], u32 b0, u32
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-__device__ __forceinline__ u32 pack_bf16(float lo, float hi) {
-    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-    return *reinterpret_cast<u32*>(&v);
-}
-
-__device__ __forceinline__ float exp2_ftz(float x) {
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-    return y;
-}
-
 template <int D>
 struct PrefillTiles {
     bf16 k[2][PF_BK][D + PF_PAD];
@@ -182,15 +171,15 @@ __device__ void prefill_attention(const bf16* __restrict__ qkv, int width, const
         }
         // A row with nothing visible yet keeps m = -inf; its base is 0 so that exp2(-inf - 0) = 0, never NaN.
         const float base0 = mx0 == -INFINITY ? 0.0f : mx0, base1 = mx1 == -INFINITY ? 0.0f : mx1;
-        const float corr0 = exp2_ftz(m0 - base0), corr1 = exp2_ftz(m1 - base1);
+        const float corr0 = fast_exp2(m0 - base0), corr1 = fast_exp2(m1 - base1);
         m0 = mx0;
         m1 = mx1;
         float sum0 = 0.0f, sum1 = 0.0f;
         u32 pa[ST / 2][4];  // P as the A operand of P V, one 16-position k-step per pair of S tiles
 #pragma unroll
         for (int t = 0; t < ST; t++) {
-            const float e0 = exp2_ftz(sc[t][0] - base0), e1 = exp2_ftz(sc[t][1] - base0);
-            const float e2 = exp2_ftz(sc[t][2] - base1), e3 = exp2_ftz(sc[t][3] - base1);
+            const float e0 = fast_exp2(sc[t][0] - base0), e1 = fast_exp2(sc[t][1] - base0);
+            const float e2 = fast_exp2(sc[t][2] - base1), e3 = fast_exp2(sc[t][3] - base1);
             sum0 += e0 + e1;
             sum1 += e2 + e3;
             pa[t / 2][(t & 1) * 2 + 0] = pack_bf16(e0, e1);

@@ -214,36 +214,10 @@ impl RuntimeStepper {
                 select_last_token_logits: true,
             });
         }
-        // A latched (cancelled) sequence runs no forward; a step in which none runs is not ok.
-        let (latched, computing): (Vec<ResidentRef>, Vec<ResidentRef>) =
-            targets.iter().partition(|r| self.session.get(**r).is_some_and(|row| row.latched.is_some()));
-        for r in &latched {
-            let row = self.row_mut(*r)?;
-            row.ending = row.latched.clone();
-        }
-        let mut ok = !computing.is_empty();
-        let mut timing = StepTiming::default();
-        if !computing.is_empty() {
-            let batch = self.plan_forward(&computing, SequenceWork::Context);
-            let outcome = self.run_and_sample(&batch, &computing);
-            self.batch_scratch = batch;
-            timing = self.runner.last_step_timing();
-            match outcome {
-                Ok(sampled) => {
-                    for (r, s) in computing.iter().zip(sampled) {
-                        let row = self.row_mut(*r)?;
-                        row.computed = row.prompt_ids.len();
-                        self.accept_token(*r, s)?;
-                    }
-                }
-                Err(ending) => {
-                    ok = false;
-                    for r in &computing {
-                        self.row_mut(*r)?.ending = Some(ending.clone());
-                    }
-                }
-            }
-        }
+        // A step in which no sequence runs (all were cancelled) is not ok.
+        let computing = self.end_latched(&targets)?;
+        let (computed, timing) = self.compute(&computing, SequenceWork::Context)?;
+        let ok = computed && !computing.is_empty();
         let mut published = false;
         for &r in &targets {
             self.row_mut(r)?.phase = Phase::Running;
@@ -259,12 +233,7 @@ impl RuntimeStepper {
         let started = Instant::now();
         self.refuse_if_seated("decode")?;
         self.validate_decode_batch(&batch.residents)?;
-        let (latched, computing): (Vec<ResidentRef>, Vec<ResidentRef>) =
-            batch.residents.iter().partition(|r| self.session.get(**r).is_some_and(|row| row.latched.is_some()));
-        for r in &latched {
-            let row = self.row_mut(*r)?;
-            row.ending = row.latched.take();
-        }
+        let computing = self.end_latched(&batch.residents)?;
         let descriptors: Vec<ScheduledSequenceDescriptor> = computing
             .iter()
             .map(|r| {
@@ -278,28 +247,7 @@ impl RuntimeStepper {
                 }
             })
             .collect();
-        let mut ok = true;
-        let mut timing = StepTiming::default();
-        if !computing.is_empty() {
-            let fb = self.plan_forward(&computing, SequenceWork::Decode);
-            let outcome = self.run_and_sample(&fb, &computing);
-            self.batch_scratch = fb;
-            timing = self.runner.last_step_timing();
-            match outcome {
-                Ok(sampled) => {
-                    for (r, s) in computing.iter().zip(sampled) {
-                        self.row_mut(*r)?.computed += 1;
-                        self.accept_token(*r, s)?;
-                    }
-                }
-                Err(ending) => {
-                    ok = false;
-                    for r in &computing {
-                        self.row_mut(*r)?.ending = Some(ending.clone());
-                    }
-                }
-            }
-        }
+        let (ok, timing) = self.compute(&computing, SequenceWork::Decode)?;
         let mut published = false;
         if self.budget.cache.config().commit == CommitPolicy::IncludingGenerated {
             for r in &computing {
@@ -437,6 +385,51 @@ impl RuntimeStepper {
             fb.logits_for.push(start + query.len() - 1);
         }
         fb
+    }
+
+    /// End every latched (cancelled) sequence of `refs` without computing it; returns the others.
+    fn end_latched(&mut self, refs: &[ResidentRef]) -> Result<Vec<ResidentRef>> {
+        let mut computing = Vec::with_capacity(refs.len());
+        for &r in refs {
+            let row = self.row_mut(r)?;
+            match row.latched.take() {
+                Some(ending) => row.ending = Some(ending),
+                None => computing.push(r),
+            }
+        }
+        Ok(computing)
+    }
+
+    /// One forward over `refs` (their uncomputed prompt for Context, their last token for Decode), then a
+    /// sampled token accepted for each. A failed forward ends every one of them with the error; the bool says
+    /// whether the forward succeeded (true when there was nothing to compute).
+    fn compute(&mut self, refs: &[ResidentRef], work: SequenceWork) -> Result<(bool, StepTiming)> {
+        if refs.is_empty() {
+            return Ok((true, StepTiming::default()));
+        }
+        let batch = self.plan_forward(refs, work);
+        let outcome = self.run_and_sample(&batch, refs);
+        self.batch_scratch = batch;
+        let timing = self.runner.last_step_timing();
+        match outcome {
+            Ok(sampled) => {
+                for (r, s) in refs.iter().zip(sampled) {
+                    let row = self.row_mut(*r)?;
+                    row.computed = match work {
+                        SequenceWork::Context => row.prompt_ids.len(),
+                        SequenceWork::Decode => row.computed + 1,
+                    };
+                    self.accept_token(*r, s)?;
+                }
+                Ok((true, timing))
+            }
+            Err(ending) => {
+                for r in refs {
+                    self.row_mut(*r)?.ending = Some(ending.clone());
+                }
+                Ok((false, timing))
+            }
+        }
     }
 
     /// Forward then sample every row; an Err carries the ending that every participant latches.

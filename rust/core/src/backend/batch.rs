@@ -86,10 +86,10 @@ impl BatchPlan {
         self.tokens.len()
     }
 
-    /// Whether every sequence has exactly one query token (a decode step): no token then attends to another
-    /// token of the same step, so a backend may write each new K/V inside its attention.
-    pub fn is_decode(&self) -> bool {
-        self.seqs.iter().all(|s| s.len == 1)
+    /// Most query tokens of one sequence. 1 means a decode step: no token then attends to another token of the
+    /// same step, so a backend may write each new K/V inside its attention.
+    pub fn max_query_len(&self) -> usize {
+        self.seqs.iter().map(|s| s.len as usize).max().unwrap_or(0)
     }
 
     /// The block table of sequence `seq`.
@@ -212,8 +212,8 @@ mod tests {
 
     #[test]
     fn decode_means_one_query_token_per_sequence() {
-        assert!(BatchPlan::new(&one_seq(3, 1, vec![7]), 4, 8, 10).unwrap().is_decode());
-        assert!(!BatchPlan::new(&one_seq(3, 2, vec![7, 2]), 4, 8, 10).unwrap().is_decode());
+        assert_eq!(BatchPlan::new(&one_seq(3, 1, vec![7]), 4, 8, 10).unwrap().max_query_len(), 1);
+        assert_eq!(BatchPlan::new(&one_seq(3, 2, vec![7, 2]), 4, 8, 10).unwrap().max_query_len(), 2);
     }
 
     #[test]

@@ -176,11 +176,14 @@ pub struct CudaBatch {
     max_context: Option<usize>,
     /// Most query tokens of one sequence (1 in decode steps).
     max_query_len: usize,
-    /// Every sequence has exactly one query token (a decode step), so attention may rotate q and k itself.
-    decode_only: bool,
 }
 
 impl CudaBatch {
+    /// Every sequence has exactly one query token (a decode step), so attention may rotate q and k itself.
+    fn is_decode(&self) -> bool {
+        self.max_query_len == 1
+    }
+
     fn section(&self, offset: usize) -> u64 {
         self.base + 4 * offset as u64
     }
@@ -461,7 +464,7 @@ impl CudaBackend {
 
     /// The tensor-core prefill attention, when this step has prompts long enough to fill its query tiles.
     fn tiled_prefill_kernel(&self, shape: &AttentionShape, batch: &CudaBatch) -> Option<Func> {
-        if !self.inner.tiled_prefill || batch.decode_only || batch.max_query_len < PREFILL_TILED_MIN_QUERY {
+        if !self.inner.tiled_prefill || batch.max_query_len < PREFILL_TILED_MIN_QUERY {
             return None;
         }
         self.inner.kernels.prefill_attention.iter().find(|(d, _)| *d == shape.head_dim).map(|&(_, f)| f)
@@ -663,8 +666,7 @@ impl Backend for CudaBackend {
             batch.base = base;
             batch.layout = layout;
             batch.max_context = None;
-            batch.max_query_len = 1;
-            batch.decode_only = true; // only decode steps are captured
+            batch.max_query_len = 1; // only decode steps are captured
             return Ok(());
         }
         let layout = MetaLayout::new(plan.num_tokens(), plan.seqs.len(), plan.logits_rows.len(), plan.block_tables.len());
@@ -684,8 +686,7 @@ impl Backend for CudaBackend {
         batch.base = own.ptr();
         batch.layout = layout;
         batch.max_context = plan.seqs.iter().map(|s| s.context_len()).max();
-        batch.max_query_len = plan.seqs.iter().map(|s| s.len as usize).max().unwrap_or(0);
-        batch.decode_only = plan.is_decode();
+        batch.max_query_len = plan.max_query_len();
         Ok(())
     }
 
@@ -865,7 +866,7 @@ impl Backend for CudaBackend {
         layer: usize,
         out: &mut CudaTensor,
     ) -> Result<()> {
-        if !batch.decode_only {
+        if !batch.is_decode() {
             self.rope_and_write_kv(qkv, qk_norm, shape, batch, cache, layer)?;
             return self.paged_attention(qkv, shape, batch, cache, layer, out);
         }

@@ -140,7 +140,10 @@ impl CudaRunner {
         if !decode {
             return Ok(None);
         }
-        let packing = Instant::now();
+        // The trace reads the clock only when it is on: a decode tick pays nothing for it otherwise.
+        let tracing = self.trace.is_some();
+        let mark = || tracing.then(Instant::now);
+        let packing = mark();
         let plan = BatchPlan::new(batch, block_size, num_blocks, self.model.config().vocab_size)?;
         if plan.block_tables.len() + 1 > graphs.table_cap {
             return Ok(None);
@@ -163,11 +166,11 @@ impl CudaRunner {
         }
         // The context is bound by forward_and_sample, the only caller.
         let gpu = self.backend.gpu();
-        let copying = Instant::now();
+        let copying = mark();
         gpu.upload(graphs.meta.ptr(), &graphs.staging.as_slice()[..words])?;
-        let launching = Instant::now();
+        let launching = mark();
         graph.0.launch().map_err(|e| Error::Device(format!("CUDA graph launch (batch {bucket}): {e:?}")))?;
-        if let Some(trace) = self.trace.as_mut() {
+        if let (Some(trace), Some(packing), Some(copying), Some(launching)) = (self.trace.as_mut(), packing, copying, launching) {
             trace.record(n, bucket, [packing, copying, launching, Instant::now()]);
         }
         Ok(Some(logits))
