@@ -24,7 +24,7 @@ EMBED_SCALE = 8.0
 def make(name: str, out: Path, seed: int = 0) -> Path:
     import torch
     import transformers
-    from tokenizers import Tokenizer, models, pre_tokenizers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     s = SHAPES[name]
     path = out / name
@@ -53,6 +53,10 @@ def make(name: str, out: Path, seed: int = 0) -> Path:
     vocab = {f"t{i}": i for i in range(s["vocab"])}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    # A byte-level decoder, as the tokenizers of real Llama and Qwen checkpoints have: the runtime then
+    # detokenizes through its byte table, as it would for them, and not through the library's WordLevel
+    # decode, which would make the host time of a decode tick several times what a real model pays.
+    tok.decoder = decoders.ByteLevel()
     tok.save(str(path / "tokenizer.json"))
     (path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "t0", "eos_token": "t1"}))
     return path

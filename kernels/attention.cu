@@ -70,6 +70,8 @@ template <int D, int G>
 struct AttnConfig {
     static constexpr int U = G <= 4 ? 8 : 4;
     static constexpr int MIN_BLOCKS = G <= 2 ? 4 : 2;  // <= 128 / 255 registers
+    // The ROPE variant holds its first step's K and V across the rotation (<= 168 registers for G <= 2).
+    static constexpr int MIN_BLOCKS_ROPE = G <= 2 ? 3 : 2;
     static constexpr bool Q_SHARED = G >= 4;           // q lives in shared memory (saves G * 8 registers)
 };
 
@@ -111,6 +113,7 @@ __device__ void paged_attention(const bf16* __restrict__ qkv, int width, const u
     // loop keeps it in registers.
     __shared__ __align__(16) float s_q[Q_SHARED || ROPE ? G : 1][D];
     __shared__ float2 s_split_ml[G][MAX_SPLITS];
+    __shared__ __align__(16) bf16 s_new[ROPE ? 2 : 1][D];  // the newest position's K and V (ROPE)
     __shared__ bool is_last;
 
     const int t = blockIdx.x, g = blockIdx.y, split = blockIdx.z, max_splits = gridDim.z;
@@ -119,25 +122,10 @@ __device__ void paged_attention(const bf16* __restrict__ qkv, int width, const u
     const int li = lane % LANES, gi = lane / LANES;
     const float qscale = scale * 1.4426950408889634f;  // scores in log2 units
 
-    // First round trip: everything that does not depend on another load.
+    // The batch metadata (positions, sequences, block tables) may be read before the previous kernel is done
+    // (common.cuh), so its three dependent round trips overlap that kernel's tail; q and the cache wait.
     const int ctx = (int)positions[t] + 1;
     const u32 seq = token_seq[t];
-    const bf16* qrow = qkv + (size_t)t * width + (size_t)g * G * D;
-    float q[Q_SHARED ? 1 : G][8];
-    uint4 qraw[Q_SHARED ? (G * D / 8 + ATTN_THREADS - 1) / ATTN_THREADS : G];
-    if constexpr (ROPE) {
-        // q is read by rope_head below.
-    } else if constexpr (Q_SHARED) {
-#pragma unroll
-        for (int j = 0; j < (int)(sizeof(qraw) / sizeof(uint4)); j++) {
-            const int e = threadIdx.x + j * ATTN_THREADS;
-            if (e < G * D / 8) qraw[j] = __ldcg(reinterpret_cast<const uint4*>(qrow) + e);
-        }
-    } else {
-#pragma unroll
-        for (int h = 0; h < G; h++) qraw[h] = __ldcg(reinterpret_cast<const uint4*>(qrow + h * D + li * 8));
-    }
-    // Second: the sequence's block table.
     const u32* table = block_tables + seq_info[seq * 5 + 3];
 
     // chunk = ceil(ctx / splits) rounded up to a multiple of MIN_CHUNK; nsplits <= min(gridDim.z, MAX_SPLITS).
@@ -146,6 +134,42 @@ __device__ void paged_attention(const bf16* __restrict__ qkv, int width, const u
     const int nsplits = ceil_div(ctx, chunk);
     const int begin = split * chunk, end = min(ctx, begin + chunk);
 
+    const FastDiv bdiv((u32)block_size);
+    const int off0 = warp * GROUPS + gi;  // this lane-group's position within a sub-step
+    // Block-table entries of the positions of one step (prefetched one step ahead).
+    u32 blk[U];
+#pragma unroll
+    for (int u = 0; u < U; u++) {
+        const int p = begin + u * NG + off0;
+        blk[u] = p < end ? __ldg(table + bdiv.div((u32)p)) : 0u;
+    }
+    // The cache is [block][kv head][position in block][D]: one head's positions of a block are contiguous.
+    const size_t head_base = (size_t)g * block_size * D + li * 8;
+    // This lane's K and V of the U positions of the step at `base` (zeros past `end` and at `skip`).
+    auto load_step = [&](int base, int skip, uint4 (&kr)[U], uint4 (&vr)[U]) {
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            const int p = base + u * NG + off0;
+            if (p < end && p != skip) {
+                const u32 bi = bdiv.div((u32)p);
+                const size_t at = ((size_t)blk[u] * num_kv_heads * block_size + (p - bi * block_size)) * D + head_base;
+                kr[u] = __ldcg(reinterpret_cast<const uint4*>(k_cache + at));
+                vr[u] = __ldcg(reinterpret_cast<const uint4*>(v_cache + at));
+            } else {
+                kr[u] = make_uint4(0, 0, 0, 0);
+                vr[u] = make_uint4(0, 0, 0, 0);
+            }
+        }
+    };
+    // A decode step's past K and V were written by earlier forwards, and only this kernel writes this layer's
+    // cache in this one, so the ROPE variant loads its first step before the wait too; the newest position,
+    // which this block writes below, is taken from shared memory instead.
+    uint4 kr[U], vr[U];
+    if constexpr (ROPE) load_step(begin, ctx - 1, kr, vr);
+    kernel_begin();
+
+    const bf16* qrow = qkv + (size_t)t * width + (size_t)g * G * D;
+    float q[Q_SHARED ? 1 : G][8];
     if constexpr (ROPE) {
         const float pos = (float)(ctx - 1);
         for (int h = warp; h < G; h += ATTN_WARPS) {
@@ -156,16 +180,30 @@ __device__ void paged_attention(const bf16* __restrict__ qkv, int width, const u
             const size_t at = cache_offset(rope.slots[t], g, num_kv_heads, block_size, D);
             const bf16* krow = qkv + (size_t)t * width + (size_t)(num_heads + g) * D;
             if (warp == ATTN_WARPS - 1) {
-                rope_head(krow, rope.k_norm, rope.eps, pos, rope.theta, D, lane, [&](int i, bf16 v) { k_cache[at + i] = v; });
+                rope_head(krow, rope.k_norm, rope.eps, pos, rope.theta, D, lane, [&](int i, bf16 v) {
+                    k_cache[at + i] = v;
+                    s_new[0][i] = v;
+                });
             } else if (warp == 0) {
                 const uint4* vrow = reinterpret_cast<const uint4*>(krow + (size_t)num_kv_heads * D);
-                for (int i = lane; i < D / 8; i += 32) reinterpret_cast<uint4*>(v_cache + at)[i] = __ldcg(vrow + i);
+                for (int i = lane; i < D / 8; i += 32) {
+                    const uint4 v = __ldcg(vrow + i);
+                    reinterpret_cast<uint4*>(v_cache + at)[i] = v;
+                    reinterpret_cast<uint4*>(s_new[1])[i] = v;
+                }
             }
         }
         // The barrier before the main loop publishes s_q and the new K/V to the whole block.
     } else if constexpr (Q_SHARED) {
+        constexpr int QV = (G * D / 8 + ATTN_THREADS - 1) / ATTN_THREADS;
+        uint4 qraw[QV];
 #pragma unroll
-        for (int j = 0; j < (int)(sizeof(qraw) / sizeof(uint4)); j++) {
+        for (int j = 0; j < QV; j++) {
+            const int e = threadIdx.x + j * ATTN_THREADS;
+            if (e < G * D / 8) qraw[j] = __ldcg(reinterpret_cast<const uint4*>(qrow) + e);
+        }
+#pragma unroll
+        for (int j = 0; j < QV; j++) {
             const int e = threadIdx.x + j * ATTN_THREADS;
             if (e < G * D / 8) {
                 float f[8];
@@ -175,6 +213,9 @@ __device__ void paged_attention(const bf16* __restrict__ qkv, int width, const u
             }
         }
     } else {
+        uint4 qraw[G];
+#pragma unroll
+        for (int h = 0; h < G; h++) qraw[h] = __ldcg(reinterpret_cast<const uint4*>(qrow + h * D + li * 8));
 #pragma unroll
         for (int h = 0; h < G; h++) {
             unpack8(qraw[h], q[h]);
@@ -192,17 +233,6 @@ __device__ void paged_attention(const bf16* __restrict__ qkv, int width, const u
         l[h] = 0.0f;
     }
 
-    const FastDiv bdiv((u32)block_size);
-    const int off0 = warp * GROUPS + gi;  // this lane-group's position within a sub-step
-    // The cache is [block][kv head][position in block][D]: one head's positions of a block are contiguous.
-    const size_t head_base = (size_t)g * block_size * D + li * 8;
-    // Block-table entries of the positions of one step (prefetched one step ahead).
-    u32 blk[U];
-#pragma unroll
-    for (int u = 0; u < U; u++) {
-        const int p = begin + u * NG + off0;
-        blk[u] = p < end ? __ldg(table + bdiv.div((u32)p)) : 0u;
-    }
     if constexpr (Q_SHARED || ROPE) __syncthreads();
     if constexpr (ROPE && !Q_SHARED) {
 #pragma unroll
@@ -210,23 +240,19 @@ __device__ void paged_attention(const bf16* __restrict__ qkv, int width, const u
 #pragma unroll
             for (int i = 0; i < 8; i++) q[h][i] = s_q[h][li * 8 + i];
     }
+    if constexpr (ROPE) {
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            if (begin + u * NG + off0 == ctx - 1) {
+                kr[u] = reinterpret_cast<const uint4*>(s_new[0])[li];
+                vr[u] = reinterpret_cast<const uint4*>(s_new[1])[li];
+            }
+        }
+    }
 
     // Block-uniform trip count: lanes past `end` still join the shuffles.
     for (int base = begin; base < end; base += STEP) {
-        uint4 kr[U], vr[U];
-#pragma unroll
-        for (int u = 0; u < U; u++) {
-            const int p = base + u * NG + off0;
-            if (p < end) {
-                const u32 bi = bdiv.div((u32)p);
-                const size_t at = ((size_t)blk[u] * num_kv_heads * block_size + (p - bi * block_size)) * D + head_base;
-                kr[u] = __ldcg(reinterpret_cast<const uint4*>(k_cache + at));
-                vr[u] = __ldcg(reinterpret_cast<const uint4*>(v_cache + at));
-            } else {
-                kr[u] = make_uint4(0, 0, 0, 0);
-                vr[u] = make_uint4(0, 0, 0, 0);
-            }
-        }
+        if (!ROPE || base != begin) load_step(base, -1, kr, vr);
         // Next step's table entries, in flight while this step computes.
 #pragma unroll
         for (int u = 0; u < U; u++) {
@@ -416,17 +442,15 @@ __device__ void paged_attention(const bf16* __restrict__ qkv, int width, const u
         const bf16* qkv, int width, const u32* positions, const u32* token_seq, const u32* seq_info,           \
         const u32* block_tables, bf16* k_cache, bf16* v_cache, int block_size, int num_kv_heads,                \
         float scale, bf16* out, float* partial, u32* counters) {                                                \
-        kernel_begin();                                                                                         \
         paged_attention<D, G, false>(qkv, width, positions, token_seq, seq_info, block_tables, k_cache,        \
                                      v_cache, block_size, num_kv_heads, scale, out, partial, counters, {});     \
     }                                                                                                           \
-    extern "C" __global__ void __launch_bounds__(ATTN_THREADS, (AttnConfig<D, G>::MIN_BLOCKS))                \
+    extern "C" __global__ void __launch_bounds__(ATTN_THREADS, (AttnConfig<D, G>::MIN_BLOCKS_ROPE))                \
         paged_attention_rope_d##D##_g##G(                                                                       \
         const bf16* qkv, int width, const u32* positions, const u32* token_seq, const u32* seq_info,           \
         const u32* block_tables, bf16* k_cache, bf16* v_cache, int block_size, int num_kv_heads,                \
         float scale, bf16* out, float* partial, u32* counters, const float* q_norm, const float* k_norm,        \
         float eps, float theta, const u32* slots) {                                                             \
-        kernel_begin();                                                                                         \
         paged_attention<D, G, true>(qkv, width, positions, token_seq, seq_info, block_tables, k_cache,         \
                                     v_cache, block_size, num_kv_heads, scale, out, partial, counters,          \
                                     {q_norm, k_norm, eps, theta, slots});                                       \

@@ -8,68 +8,16 @@
 //          OUT_SILU: W is [gate | up] (N rows, N/2 each); one warp computes gate row n and up row n, and
 //          y[m, n] = silu(gate) * up, so y is [M, N/2]
 // Roundings follow transformers in bf16: the normed input and every projection output are bf16 before use.
-#include "common.cuh"
+#include "gemv_common.cuh"
 
 #define GEMV_THREADS 256
 #define GEMV_WARPS 8
+// Overridable for experiments (benchmarks/kernels/gemv_chain.cu builds variants).
+#ifndef GEMV_UNROLL
 #define GEMV_UNROLL 4
-
-#define IN_PLAIN 0
-#define IN_NORM 1
-#define OUT_STORE 0
-#define OUT_ADD 1
-#define OUT_SILU 2
+#endif
 
 extern __shared__ __align__(16) unsigned char gemv_smem[];
-
-// x (or its rms_norm) into shared memory as bf16 [M][K]. Every thread of the block takes part; one read of x
-// from L2, and the rows are normalized together (warp m sums row m), so M rows cost no more round trips than one.
-template <int M, int IN>
-__device__ __forceinline__ void stage_input(const bf16* __restrict__ x, const float* __restrict__ norm_w,
-                                            float eps, int K, bf16* xs, float* inv) {
-    const uint4* src = reinterpret_cast<const uint4*>(x);
-    uint4* dst = reinterpret_cast<uint4*>(xs);
-    const int vecs = K / 8;
-    for (int i = threadIdx.x; i < M * vecs; i += blockDim.x) dst[i] = __ldcg(src + i);
-    __syncthreads();
-    if (IN == IN_NORM) {
-        const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-        if (warp < M) {
-            float ss = 0.0f;
-            for (int i = lane; i < vecs; i += 32) {
-                float v[8];
-                unpack8(dst[warp * vecs + i], v);
-#pragma unroll
-                for (int j = 0; j < 8; j++) ss += v[j] * v[j];
-            }
-            ss = warp_sum(ss);
-            if (lane == 0) inv[warp] = rsqrtf(ss / K + eps);
-        }
-        __syncthreads();
-        for (int i = threadIdx.x; i < M * vecs; i += blockDim.x) {
-            const int m = i / vecs, c = (i % vecs) * 8;
-            float v[8];
-            unpack8(dst[i], v);
-#pragma unroll
-            for (int j = 0; j < 8; j++) v[j] = norm_w[c + j] * bf16r(v[j] * inv[m]);
-            store8(xs + (size_t)i * 8, v);
-        }
-        __syncthreads();
-    }
-}
-
-__device__ __forceinline__ float dot8(uint4 w, uint4 x) {
-    const __nv_bfloat162* a = reinterpret_cast<const __nv_bfloat162*>(&w);
-    const __nv_bfloat162* b = reinterpret_cast<const __nv_bfloat162*>(&x);
-    float s = 0.0f;
-#pragma unroll
-    for (int i = 0; i < 4; i++) {
-        const float2 fa = __bfloat1622float2(a[i]), fb = __bfloat1622float2(b[i]);
-        s = fmaf(fa.x, fb.x, s);
-        s = fmaf(fa.y, fb.y, s);
-    }
-    return s;
-}
 
 // This lane's GEMV_UNROLL 16-byte chunks of the R weight rows of output column `col`, from chunk c0 on
 // (zeros past the row's end or past the last column).
@@ -168,16 +116,7 @@ __device__ void gemv(const bf16* __restrict__ x, const float* __restrict__ norm_
                 s[r] = 0.0f;
                 for (int p = 0; p < warps_per_row; p++) s[r] += sums[warp + p][r][m];
             }
-            if (OUT == OUT_SILU) {
-                const float g = bf16r(s[0]), u = bf16r(s[1]);
-                y[(size_t)m * cols + col] = __float2bfloat16(bf16r(g / (1.0f + __expf(-g))) * u);
-            } else {
-                float v = s[0];
-                if (bias) v += bias[col];
-                bf16* dst = y + (size_t)m * cols + col;
-                if (OUT == OUT_ADD) v = __bfloat162float(*dst) + bf16r(v);
-                *dst = __float2bfloat16(v);
-            }
+            gemv_store<OUT>(s, bias, y, cols, m, col);
         }
         __syncthreads();  // sums is reused by the next row group
     }
@@ -186,7 +125,9 @@ __device__ void gemv(const bf16* __restrict__ x, const float* __restrict__ norm_
 // One- and two-row projections are capped at 64 registers so 4 blocks fit on a multiprocessor: a Qwen3-0.6B
 // QKV projection (512 blocks) then runs in one wave on an H200. The gate/up variants hold two weight rows per
 // warp and would spill under that cap; larger M keeps whatever registers it needs.
+#ifndef GEMV_MIN_BLOCKS
 #define GEMV_MIN_BLOCKS(M, OUT) ((OUT) != OUT_SILU && (M) <= 2 ? 4 : 1)
+#endif
 
 #define GEMV_VARIANT(M, IN, OUT, NAME)                                                                          \
     extern "C" __global__ void __launch_bounds__(GEMV_THREADS, GEMV_MIN_BLOCKS(M, OUT)) NAME##_m##M(              \
@@ -195,21 +136,7 @@ __device__ void gemv(const bf16* __restrict__ x, const float* __restrict__ norm_
         gemv<M, IN, OUT>(x, norm_w, eps, w, bias, y, N, K, wpr);                                                 \
     }
 
-// Names: gemv_{in}_{out}_m{M}; the host picks one per (prologue, epilogue) and batch size.
-#define GEMV_ALL(M)                                            \
-    GEMV_VARIANT(M, IN_PLAIN, OUT_STORE, gemv_plain_store)     \
-    GEMV_VARIANT(M, IN_PLAIN, OUT_ADD, gemv_plain_add)         \
-    GEMV_VARIANT(M, IN_NORM, OUT_STORE, gemv_norm_store)       \
-    GEMV_VARIANT(M, IN_NORM, OUT_SILU, gemv_norm_silu)
-
-GEMV_ALL(1)
-GEMV_ALL(2)
-GEMV_ALL(3)
-GEMV_ALL(4)
-GEMV_ALL(5)
-GEMV_ALL(6)
-GEMV_ALL(7)
-GEMV_ALL(8)
+GEMV_ALL_ROWS(GEMV_VARIANT, gemv)
 
 // keys[r] = max over v of (key(logits[r, v]) << 32 | ~v): the first maximum of each row, as the greedy sampler
 // picks it (NaN never wins). keys must be zero before the launch. grid: (rows, blocks per row); V % 8 == 0.

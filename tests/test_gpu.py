@@ -194,6 +194,25 @@ def test_graph_decode_equals_eager(models_dir: Path) -> None:
     assert [r.output_ids for r in eager] == [r.output_ids for r in graphed]
 
 
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+def test_gemv_batches_match_cublas(rows: int, models_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Decode batches of 1..4 rows go to our GEMV kernels (the bulk-copy family on Hopper, the register family for
+    2 rows); the same requests with every projection on cuBLAS (STEPLLM_GEMV_MAX_ROWS=0) are the reference."""
+    path = gpu_models.make("qwen3", models_dir)
+    prompts = [PROMPT[: 8 + 5 * i] for i in range(rows)]
+    reqs = [stepllm.GenerationRequest(p, greedy(8, logprobs=5)) for p in prompts]
+    ours = coordinator(path, "cuda", graphs=True, max_batch_size=rows).dispatch_request(reqs)
+    monkeypatch.setenv("STEPLLM_GEMV_MAX_ROWS", "0")
+    ref = coordinator(path, "cuda", graphs=True, max_batch_size=rows).dispatch_request(reqs)
+    forced = hf_logits(path, [p + r.output_ids for p, r in zip(prompts, ref)])
+    for p, o, r, logits in zip(prompts, ours, ref, forced):
+        lrows = logits[len(p) - 1 : len(p) - 1 + len(r.output_ids)]
+        assert_greedy_agrees(o.output_ids, r.output_ids, top2(lrows), (rows, len(p)))
+        got, want = o.logprobs[0], r.logprobs[0]
+        tol = logprob_tol(lrows[0], got.token_id, want.token_id) + 0.03 * abs(want.logprob)
+        assert abs(got.logprob - want.logprob) < tol, (rows, len(p), got, want, tol)
+
+
 def test_gpu_sampling_options(models_dir: Path) -> None:
     path = gpu_models.make("smollm2", models_dir)
     coord = coordinator(path, "cuda", graphs=True)

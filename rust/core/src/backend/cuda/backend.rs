@@ -1,6 +1,7 @@
 //! `CudaBackend`: the [`Backend`] ops on an NVIDIA GPU in bf16. Kernels come from kernels/*.cu (PTX embedded
-//! at build time). Projections of up to 8 rows (decode) go to our GEMV kernels, which also fuse the RMSNorm
-//! before them, the residual add or the SiLU-gating after them; larger batches go to cuBLAS.
+//! at build time). Projections of decode-sized batches go to our GEMV kernels (gemv.rs picks the family and
+//! launch shape), which also fuse the RMSNorm before them, the residual add or the SiLU-gating after them;
+//! larger batches go to cuBLAS.
 //!
 //! Storage only grows, and once decode graphs exist a replaced allocation is kept alive (graphs hold raw
 //! pointers into it), so replaying a graph after a larger prefill stays valid.
@@ -12,20 +13,11 @@ use rayon::prelude::*;
 
 use super::blas::Blas;
 use super::device::{Arg, DeviceBuffer, Func, Gpu};
+use super::gemv::{Gemv, GemvKind, GemvLaunch};
 use crate::backend::{AttentionShape, Backend, BatchPlan, KvCacheShape};
 use crate::error::{Error, Result};
 use crate::model::loader::HostTensor;
 
-/// Largest batch the GEMV kernels can serve (one instantiation per row count).
-pub const GEMV_MAX_ROWS: usize = 8;
-/// Default largest batch sent to the GEMV kernels rather than cuBLAS. Measured on the H200 (Qwen3-0.6B shape,
-/// benchmarks/gpu_decode.py --gemv-sweep, 2026-12-02): the GEMVs win at 1 and 2 rows (1.12 vs 1.48 ms and
-/// 1.35 vs 1.54 ms per step), cuBLAS from 4 rows on (1.60 vs 1.66-1.68 ms; at 8 rows 1.52 vs 2.27 ms).
-/// STEPLLM_GEMV_MAX_ROWS overrides it (0 = cuBLAS only), so the crossover can be measured on each GPU.
-const GEMV_DEFAULT_ROWS: usize = 2;
-/// Threads of one GEMV block (kernels/gemv.cu GEMV_THREADS) and its warps.
-const GEMV_THREADS: u32 = 256;
-const GEMV_WARPS: usize = 8;
 /// Most blocks one (token, kv head) of attention is split over.
 const MAX_ATTENTION_SPLITS: usize = 16;
 /// Heads (one warp each) per block of the RoPE kernel: ROPE_WARPS in kernels/rope.cu.
@@ -47,19 +39,6 @@ enum QkRotation<'a> {
 /// Arguments the rotating attention kernels take after the plain ones.
 const ROTATION_ARGS: usize = 5;
 
-/// What a GEMV launch does around the product (kernels/gemv.cu).
-#[derive(Debug, Clone, Copy, PartialEq)]
-enum GemvKind {
-    /// `y = x · Wᵀ (+ bias)`
-    Plain,
-    /// `y += x · Wᵀ (+ bias)`
-    AddInto,
-    /// `y = rms_norm(x) · Wᵀ (+ bias)`
-    Norm,
-    /// `y = silu(gate) * up` of `[gate | up] = rms_norm(x) · Wᵀ`
-    NormSilu,
-}
-
 /// Kernel handles, resolved once at start.
 struct Kernels {
     embed: Func,
@@ -70,8 +49,6 @@ struct Kernels {
     add_into: Func,
     select_rows: Func,
     argmax: Func,
-    /// One kernel per (kind, rows): `gemv[kind][rows - 1]`.
-    gemv: [Vec<Func>; 4],
     /// ((head_dim, group size), kernel)
     attention: Vec<((usize, usize), Func)>,
     /// The same shapes, rotating q and k themselves (decode batches only).
@@ -90,9 +67,6 @@ impl Kernels {
                 attention_rope.push(((d, g), gpu.function("attention", &format!("paged_attention_rope_d{d}_g{g}"))?));
             }
         }
-        let gemv_family = |name: &str| -> Result<Vec<Func>> {
-            (1..=GEMV_MAX_ROWS).map(|m| gpu.function("gemv", &format!("{name}_m{m}"))).collect()
-        };
         Ok(Self {
             embed: gpu.function("embedding", "embed")?,
             rms_norm: gpu.function("norm", "rms_norm")?,
@@ -102,12 +76,6 @@ impl Kernels {
             add_into: gpu.function("activation", "add_into")?,
             select_rows: gpu.function("activation", "select_rows")?,
             argmax: gpu.function("gemv", "argmax_rows")?,
-            gemv: [
-                gemv_family("gemv_plain_store")?,
-                gemv_family("gemv_plain_add")?,
-                gemv_family("gemv_norm_store")?,
-                gemv_family("gemv_norm_silu")?,
-            ],
             attention,
             attention_rope,
             prefill_attention: [64, 128]
@@ -264,20 +232,13 @@ pub(super) struct State {
     staging: Vec<u32>,
 }
 
-/// (GEMV kind, rows, bytes of dynamic shared memory): what a GEMV kernel's occupancy depends on.
-type GemvShape = (usize, usize, u32);
-
 pub(super) struct Inner {
     pub gpu: Gpu,
     blas: Blas,
     kernels: Kernels,
-    gemv_max_rows: usize,
+    gemv: Gemv,
     /// STEPLLM_NO_TILED_PREFILL=1 keeps prefill on the paged attention kernel (for comparisons).
     tiled_prefill: bool,
-    /// Dynamic shared memory a GEMV block may use (it holds the block's input rows).
-    gemv_smem: usize,
-    /// Blocks resident per multiprocessor of each GEMV launch shape, filled as launches ask.
-    gemv_occupancy: Mutex<Vec<(GemvShape, usize)>>,
     pub state: Mutex<State>,
 }
 
@@ -292,19 +253,10 @@ impl CudaBackend {
         let gpu = Gpu::new(ordinal)?;
         let blas = Blas::new(&gpu)?;
         let kernels = Kernels::load(&gpu)?;
-        let gemv_max_rows = std::env::var("STEPLLM_GEMV_MAX_ROWS")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(GEMV_DEFAULT_ROWS)
-            .min(GEMV_MAX_ROWS);
-        let mut gemv_smem = usize::MAX;
-        for f in kernels.gemv.iter().flatten() {
-            gemv_smem = gemv_smem.min(gpu.allow_max_dynamic_shared_memory(*f)?);
-        }
+        let gemv = Gemv::load(&gpu)?;
         let tiled_prefill = std::env::var_os("STEPLLM_NO_TILED_PREFILL").is_none();
         let state = Mutex::new(State::default());
-        let gemv_occupancy = Mutex::new(Vec::new());
-        let inner = Inner { gpu, blas, kernels, gemv_max_rows, tiled_prefill, gemv_smem, gemv_occupancy, state };
+        let inner = Inner { gpu, blas, kernels, gemv, tiled_prefill, state };
         Ok(Self { inner: Arc::new(inner) })
     }
 
@@ -397,21 +349,9 @@ impl CudaBackend {
         self.argmax_keys(rows).map(|_| ())
     }
 
-    /// Whether an `m`-row projection with inputs `k` wide goes to a GEMV kernel (its rows fit in shared memory).
+    /// Whether an `m`-row projection with inputs `k` wide goes to a GEMV kernel rather than cuBLAS.
     fn use_gemv(&self, m: usize, k: usize) -> bool {
-        (1..=self.inner.gemv_max_rows).contains(&m) && m * k * 2 <= self.inner.gemv_smem
-    }
-
-    /// Warps per output column of a GEMV: split K further while the GPU would not get 16 warps per SM and each
-    /// lane keeps at least two 16-byte loads.
-    fn gemv_split(&self, cols: usize, k: usize) -> usize {
-        let chunks = k / 8;
-        let target = 16 * self.inner.gpu.sm_count;
-        let mut wpr = 1;
-        while wpr < GEMV_WARPS && cols * wpr < target && chunks >= 64 * (2 * wpr) {
-            wpr *= 2;
-        }
-        wpr
+        self.inner.gemv.serves(m, k)
     }
 
     /// One GEMV launch: `x` is `[m, weight.cols]` at `x`, the output goes to `y` (see [`GemvKind`]).
@@ -426,40 +366,18 @@ impl CudaBackend {
         bias: Option<&CudaVector>,
         y: u64,
     ) -> Result<()> {
-        let (n, k) = (weight.rows, weight.cols);
-        let cols = if kind == GemvKind::NormSilu { n / 2 } else { n };
-        let wpr = self.gemv_split(cols, k);
-        let groups = cols.div_ceil(GEMV_WARPS / wpr);
-        let f = self.inner.kernels.gemv[kind as usize][m - 1];
-        let smem = (m * k * 2) as u32;
-        // One wave: a second, partial wave would wait a whole DRAM round trip for the first. Blocks loop over
-        // the row groups (staging and normalizing their input once), and the groups are spread evenly.
-        let resident = self.gemv_blocks_per_multiprocessor(kind, m, f, smem)? * self.inner.gpu.sm_count;
-        let grid = groups.div_ceil(groups.div_ceil(resident)) as u32;
-        let (norm_ptr, eps) = norm.map_or((0, 0.0), |(v, eps)| (v.buf.ptr(), eps));
-        let args = [
-            Arg::Ptr(x),
-            Arg::Ptr(norm_ptr),
-            Arg::F32(eps),
-            Arg::Ptr(weight.buf.ptr()),
-            Arg::Ptr(bias.map_or(0, |b| b.buf.ptr())),
-            Arg::Ptr(y),
-            Arg::I32(n as i32),
-            Arg::I32(k as i32),
-            Arg::I32(wpr as i32),
-        ];
-        self.inner.gpu.launch_smem(f, (grid, 1, 1), GEMV_THREADS, smem, &args)
-    }
-
-    fn gemv_blocks_per_multiprocessor(&self, kind: GemvKind, m: usize, f: Func, smem: u32) -> Result<usize> {
-        let key = (kind as usize, m, smem);
-        let mut known = self.inner.gemv_occupancy.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(&(_, blocks)) = known.iter().find(|(k, _)| *k == key) {
-            return Ok(blocks);
-        }
-        let blocks = self.inner.gpu.blocks_per_multiprocessor(f, GEMV_THREADS, smem)?;
-        known.push((key, blocks));
-        Ok(blocks)
+        let launch = GemvLaunch {
+            kind,
+            rows: m,
+            x,
+            norm: norm.map(|(v, eps)| (v.buf.ptr(), eps)),
+            weight: weight.buf.ptr(),
+            n: weight.rows,
+            k: weight.cols,
+            bias: bias.map_or(0, |b| b.buf.ptr()),
+            y,
+        };
+        self.inner.gemv.launch(&self.inner.gpu, &launch)
     }
 
     /// The tensor-core prefill attention, when this step has prompts long enough to fill its query tiles.

@@ -61,6 +61,8 @@ pub struct Gpu {
     pub stream: Arc<CudaStream>,
     modules: Vec<(&'static str, Arc<CudaModule>)>,
     pub sm_count: usize,
+    /// Compute capability 9.0 or newer: the compute_90 PTX is loaded, with its Hopper-only kernels.
+    pub hopper: bool,
     /// Kernels are launched with programmatic dependent launch (compute capability 9.0 and up, unless
     /// STEPLLM_NO_PDL is set): each may start while the previous one finishes (see kernels/common.cuh).
     pub pdl: bool,
@@ -103,7 +105,7 @@ impl Gpu {
         let sm_count =
             attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, "reading the multiprocessor count")? as usize;
         let pdl = hopper_or_newer && std::env::var_os("STEPLLM_NO_PDL").is_none();
-        Ok(Self { ctx, stream, modules, sm_count, pdl })
+        Ok(Self { ctx, stream, modules, sm_count, hopper: hopper_or_newer, pdl })
     }
 
     /// Make the context current on the calling thread (the engine thread differs from the loading one).

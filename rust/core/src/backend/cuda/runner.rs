@@ -51,36 +51,60 @@ pub struct CudaRunner {
     trace: Option<ReplayTrace>,
 }
 
-/// STEPLLM_TRACE_REPLAY=1: the mean host time of each phase of a graph replay, printed to stderr every
-/// TRACE_EVERY replays, to see on a given machine how much of a decode tick's host time (`elapsed_us -
-/// device_wait_us`) the replay takes and how much the stepper's bookkeeping around it.
+/// STEPLLM_TRACE_REPLAY=1: the mean host time of each phase of a graph-replayed decode tick, printed to stderr
+/// every TRACE_EVERY replays, to see on a given machine where a tick's host time (`elapsed_us - device_wait_us`)
+/// goes: building the metadata, copying it, launching the graph, waiting for and reading back the tokens, and
+/// everything between the end of one replay's sampling and the start of the next (the stepper's bookkeeping and
+/// the caller's loop).
 struct ReplayTrace {
-    phases_ns: [u64; 3],
+    phases_ns: [u64; 5],
     replays: u64,
+    /// The batch size being averaged: a change starts a new window.
+    rows: usize,
+    launched: Option<Instant>,
+    sampled: Option<Instant>,
 }
 
 const TRACE_EVERY: u64 = 200;
 
 impl ReplayTrace {
     fn from_env() -> Option<Self> {
-        std::env::var_os("STEPLLM_TRACE_REPLAY").map(|_| Self { phases_ns: [0; 3], replays: 0 })
+        std::env::var_os("STEPLLM_TRACE_REPLAY").map(|_| Self { phases_ns: [0; 5], replays: 0, rows: 0, launched: None, sampled: None })
     }
 
     /// `marks`: before packing the metadata, before copying it in, before launching the graph, after.
-    fn record(&mut self, rows: usize, bucket: usize, marks: [Instant; 4]) {
-        for (i, total) in self.phases_ns.iter_mut().enumerate() {
+    fn record_launch(&mut self, rows: usize, marks: [Instant; 4]) {
+        if rows != self.rows {
+            *self = Self { phases_ns: [0; 5], replays: 0, rows, launched: None, sampled: None };
+        }
+        for (i, total) in self.phases_ns[..3].iter_mut().enumerate() {
             *total += (marks[i + 1] - marks[i]).as_nanos() as u64;
         }
+        if let Some(sampled) = self.sampled.take() {
+            self.phases_ns[4] += (marks[0] - sampled).as_nanos() as u64;
+        }
+        self.launched = Some(marks[3]);
+    }
+
+    /// The replay's tokens are on the host.
+    fn record_sampled(&mut self) {
+        let rows = self.rows;
+        let Some(launched) = self.launched.take() else { return };
+        let now = Instant::now();
+        self.phases_ns[3] += (now - launched).as_nanos() as u64;
+        self.sampled = Some(now);
         self.replays += 1;
         if self.replays.is_multiple_of(TRACE_EVERY) {
             let us = |ns: u64| ns as f64 / TRACE_EVERY as f64 / 1e3;
-            let [pack, copy, launch] = std::mem::take(&mut self.phases_ns);
+            let [pack, copy, launch, wait, between] = std::mem::take(&mut self.phases_ns);
             eprintln!(
-                "stepllm: replay trace, batch {rows} (graph {bucket}), mean of {TRACE_EVERY}: metadata pack {:.1} us, \
-                 copy {:.1} us, graph launch {:.1} us",
+                "stepllm: replay trace, batch {rows}, mean of {TRACE_EVERY}: metadata pack {:.1} us, copy {:.1} us, \
+                 graph launch {:.1} us, wait + sample {:.1} us, between replays {:.1} us",
                 us(pack),
                 us(copy),
-                us(launch)
+                us(launch),
+                us(wait),
+                us(between)
             );
         }
     }
@@ -111,6 +135,9 @@ impl CudaRunner {
         if let Some(logits) = self.try_replay(batch)? {
             self.last_replayed = true;
             return Ok(Some(logits));
+        }
+        if let Some(trace) = self.trace.as_mut() {
+            trace.sampled = None; // an eager forward is not "between replays"
         }
         self.backend.state().logits_on_device = true;
         let result = self.model.forward(batch);
@@ -171,7 +198,7 @@ impl CudaRunner {
         let launching = mark();
         graph.0.launch().map_err(|e| Error::Device(format!("CUDA graph launch (batch {bucket}): {e:?}")))?;
         if let (Some(trace), Some(packing), Some(copying), Some(launching)) = (self.trace.as_mut(), packing, copying, launching) {
-            trace.record(n, bucket, [packing, copying, launching, Instant::now()]);
+            trace.record_launch(n, [packing, copying, launching, Instant::now()]);
         }
         Ok(Some(logits))
     }
@@ -273,6 +300,9 @@ impl ModelRunner for CudaRunner {
         let vocab = self.model.config().vocab_size;
         let sampled = self.sampler.sample(&self.backend, logits, vocab, rows);
         self.last_wait_us = self.sampler.last_wait_us;
+        if let (Some(trace), true) = (self.trace.as_mut(), self.last_replayed) {
+            trace.record_sampled();
+        }
         sampled
     }
 

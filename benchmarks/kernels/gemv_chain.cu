@@ -1,0 +1,272 @@
+// Micro-benchmark of the decode GEMV chain at batch 1, outside the runtime: the four projections of a
+// Qwen3-0.6B layer (QKV with its norm, O adding into the residual, gate/up with norm and SiLU, down adding into
+// the residual) for 28 layers with distinct weights (840 MB, so nothing is served from L2), captured in one
+// CUDA graph and launched the way the runtime launches them (programmatic dependent launch). It compares the
+// two GEMV families, kernels/gemv.cu (weights through registers, one-wave grids, capped at 1..4 blocks per
+// multiprocessor) and kernels/gemv_bulk.cu (weights bulk-copied into shared memory; stage and ring sizes
+// varied): µs per layer and per kernel against the bandwidth floor, and whether the two agree on each
+// projection's output at batch 1 and 4. Also the floor of a chain of kernels that do nothing. Built and run
+// on the GPU machine:
+//
+//   nvcc -arch=sm_90 -DSTEPLLM_PDL -O3 -std=c++17 -I kernels -o /tmp/gemv_chain benchmarks/kernels/gemv_chain.cu
+//   /tmp/gemv_chain
+#include "gemv.cu"
+#include "gemv_bulk.cu"
+
+#include <cstdio>
+#include <cstdlib>
+#include <utility>
+#include <vector>
+
+#define CK(call)                                                                                  \
+    do {                                                                                          \
+        cudaError_t e_ = (call);                                                                  \
+        if (e_ != cudaSuccess) {                                                                  \
+            fprintf(stderr, "%s:%d: %s\n", __FILE__, __LINE__, cudaGetErrorString(e_));          \
+            exit(1);                                                                              \
+        }                                                                                         \
+    } while (0)
+
+typedef void (*GemvFn)(const bf16*, const float*, float, const bf16*, const float*, bf16*, int, int, int);
+
+__global__ void fill_random(bf16* p, size_t n, u32 seed, float scale) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+        u32 h = (u32)i * 2654435761u ^ seed;
+        h ^= h >> 13, h *= 0x5bd1e995u, h ^= h >> 15;
+        p[i] = __float2bfloat16(((h & 0xffff) / 65536.0f - 0.5f) * scale);
+    }
+}
+
+__global__ void fill_ones(float* p, int n) {
+    for (int i = threadIdx.x; i < n; i += blockDim.x) p[i] = 1.0f;
+}
+
+extern "C" __global__ void nothing() { kernel_begin(); }
+
+struct Gpu {
+    int sms;
+    bool pdl;
+    int cap;           // most register-GEMV blocks per multiprocessor in a grid
+    bool bulk;         // the bulk-copy family instead
+    int stage_bytes;   // its stage size target
+    int ring_bytes;    // and ring size
+    cudaStream_t stream;
+};
+
+void launch(const Gpu& g, const void* f, dim3 grid, dim3 block, size_t smem, void** args) {
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = grid;
+    cfg.blockDim = block;
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = g.stream;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = g.pdl ? 1 : 0;
+    CK(cudaLaunchKernelExC(&cfg, f, args));
+}
+
+typedef void (*BulkFn)(const bf16*, const float*, float, const bf16*, const float*, bf16*, int, int, int, int);
+
+// One projection kind in both families, batch rows 1 and 4.
+struct Kind {
+    GemvFn reg1, reg4;
+    BulkFn bulk1, bulk4;
+    bool silu;
+};
+const Kind NORM_STORE = {gemv_norm_store_m1, gemv_norm_store_m4, gemv_bulk_norm_store_m1, gemv_bulk_norm_store_m4, false};
+const Kind PLAIN_ADD = {gemv_plain_add_m1, gemv_plain_add_m4, gemv_bulk_plain_add_m1, gemv_bulk_plain_add_m4, false};
+const Kind NORM_SILU = {gemv_norm_silu_m1, gemv_norm_silu_m4, gemv_bulk_norm_silu_m1, gemv_bulk_norm_silu_m4, true};
+
+// The runtime's choice for the register family (backend.rs gemv_split and launch_gemv).
+void gemv_reg(const Gpu& g, GemvFn f, bool silu, int m, const bf16* x, const float* norm, const bf16* w, bf16* y, int n, int k) {
+    const int cols = silu ? n / 2 : n, chunks = k / 8, target = 16 * g.sms;
+    int wpr = 1;
+    while (wpr < GEMV_WARPS && cols * wpr < target && chunks >= 64 * (2 * wpr)) wpr *= 2;
+    const int groups = (cols + GEMV_WARPS / wpr - 1) / (GEMV_WARPS / wpr);
+    int per_sm = 0;
+    const size_t smem = (size_t)m * k * 2;
+    CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, (const void*)f, GEMV_THREADS, smem));
+    if (per_sm > g.cap) per_sm = g.cap;
+    const int resident = per_sm * g.sms;
+    const int grid = (groups + (groups + resident - 1) / resident - 1) / ((groups + resident - 1) / resident);
+    float eps = 1e-6f;
+    const float* bias = nullptr;
+    void* args[] = {&x, &norm, &eps, &w, &bias, &y, &n, &k, &wpr};
+    launch(g, (const void*)f, dim3(grid), dim3(GEMV_THREADS), smem, args);
+}
+
+void gemv_bulk_launch(const Gpu& g, BulkFn f, bool silu, int m, const bf16* x, const float* norm, const bf16* w, bf16* y,
+                      int n, int k) {
+    const int r = silu ? 2 : 1;
+    // As the runtime (gemv.rs bulk_stages): whole rows, a multiple of the 8 warps when there are that many.
+    int stage_rows = g.stage_bytes / (r * k * 2);
+    if (stage_rows >= 8) stage_rows -= stage_rows % 8;
+    if (stage_rows < 1) stage_rows = 1;
+    const int stage = r * stage_rows * k * 2;
+    int stages = g.ring_bytes / stage;
+    if (stages < 2) stages = 2;
+    if (stages > BULK_MAX_STAGES) stages = BULK_MAX_STAGES;
+    const size_t smem = (size_t)m * k * 2 + (size_t)stages * stage;
+    CK(cudaFuncSetAttribute((const void*)f, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    float eps = 1e-6f;
+    const float* bias = nullptr;
+    void* args[] = {&x, &norm, &eps, &w, &bias, &y, &n, &k, &stage_rows, &stages};
+    launch(g, (const void*)f, dim3(g.sms), dim3(BULK_THREADS), smem, args);
+}
+
+void gemv(const Gpu& g, const Kind& kind, int m, const bf16* x, const float* norm, const bf16* w, bf16* y, int n, int k) {
+    if (g.bulk)
+        gemv_bulk_launch(g, m == 1 ? kind.bulk1 : kind.bulk4, kind.silu, m, x, norm, w, y, n, k);
+    else
+        gemv_reg(g, m == 1 ? kind.reg1 : kind.reg4, kind.silu, m, x, norm, w, y, n, k);
+}
+
+struct Layer {
+    bf16 *qkv, *o, *gu, *down;
+};
+
+const int HIDDEN = 1024, QKV = 4096, Q = 2048, FF = 3072, LAYERS = 28;
+
+template <typename Record>
+double time_graph(const Gpu& g, Record record, int reps = 200) {
+    cudaGraph_t graph;
+    cudaGraphExec_t exec;
+    CK(cudaStreamBeginCapture(g.stream, cudaStreamCaptureModeRelaxed));
+    record();
+    CK(cudaStreamEndCapture(g.stream, &graph));
+    CK(cudaGraphInstantiate(&exec, graph, 0));
+    for (int i = 0; i < 20; i++) CK(cudaGraphLaunch(exec, g.stream));
+    cudaEvent_t a, b;
+    CK(cudaEventCreate(&a));
+    CK(cudaEventCreate(&b));
+    CK(cudaEventRecord(a, g.stream));
+    for (int i = 0; i < reps; i++) CK(cudaGraphLaunch(exec, g.stream));
+    CK(cudaEventRecord(b, g.stream));
+    CK(cudaEventSynchronize(b));
+    float ms = 0;
+    CK(cudaEventElapsedTime(&ms, a, b));
+    CK(cudaGraphExecDestroy(exec));
+    CK(cudaGraphDestroy(graph));
+    return ms * 1e3 / reps;
+}
+
+int main() {
+    Gpu g = {};
+    CK(cudaDeviceGetAttribute(&g.sms, cudaDevAttrMultiProcessorCount, 0));
+    CK(cudaStreamCreateWithFlags(&g.stream, cudaStreamNonBlocking));
+    std::vector<Layer> layers(LAYERS);
+    for (auto& l : layers) {
+        CK(cudaMalloc(&l.qkv, (size_t)QKV * HIDDEN * 2));
+        CK(cudaMalloc(&l.o, (size_t)HIDDEN * Q * 2));
+        CK(cudaMalloc(&l.gu, (size_t)2 * FF * HIDDEN * 2));
+        CK(cudaMalloc(&l.down, (size_t)HIDDEN * FF * 2));
+        fill_random<<<1024, 256>>>(l.qkv, (size_t)QKV * HIDDEN, 1, 0.05f);
+        fill_random<<<1024, 256>>>(l.o, (size_t)HIDDEN * Q, 2, 0.05f);
+        fill_random<<<1024, 256>>>(l.gu, (size_t)2 * FF * HIDDEN, 3, 0.05f);
+        fill_random<<<1024, 256>>>(l.down, (size_t)HIDDEN * FF, 4, 0.05f);
+    }
+    bf16 *h, *qkv, *act;
+    float* norm;
+    CK(cudaMalloc(&h, HIDDEN * 2));
+    CK(cudaMalloc(&qkv, QKV * 2));
+    CK(cudaMalloc(&act, FF * 2));
+    CK(cudaMalloc(&norm, FF * 4));
+    fill_random<<<4, 256>>>(h, HIDDEN, 5, 1.0f);
+    fill_ones<<<1, 256>>>(norm, FF);
+    CK(cudaDeviceSynchronize());
+
+    const double bytes_layer = 2.0 * ((double)QKV * HIDDEN + (double)HIDDEN * Q + 2.0 * FF * HIDDEN + (double)HIDDEN * FF);
+    printf("GPU: %d SMs; one layer's weights %.1f MB, %.2f us at 4.8 TB/s\n", g.sms, bytes_layer / 1e6, bytes_layer / 4.8e6);
+
+    // Agreement: each projection kind at batch 1 and 4, both families, same inputs (bf16 outputs compared).
+    {
+        bf16 *xin, *out_a, *out_b;
+        const size_t most = 4 * (size_t)2 * FF;
+        CK(cudaMalloc(&xin, 4 * FF * 2));
+        CK(cudaMalloc(&out_a, most * 2));
+        CK(cudaMalloc(&out_b, most * 2));
+        fill_random<<<16, 256>>>(xin, 4 * FF, 9, 2.0f);
+        struct Case { const char* name; const Kind* kind; const bf16* w; int n, k; };
+        const Case cases[] = {{"qkv", &NORM_STORE, layers[0].qkv, QKV, HIDDEN}, {"o", &PLAIN_ADD, layers[0].o, HIDDEN, Q},
+                              {"gate/up", &NORM_SILU, layers[0].gu, 2 * FF, HIDDEN}, {"down", &PLAIN_ADD, layers[0].down, HIDDEN, FF}};
+        for (const Case& c : cases) {
+            for (int m : {1, 4}) {
+                const int out_n = c.kind->silu ? c.n / 2 : c.n;
+                std::vector<bf16> a(m * out_n), b(m * out_n);
+                g.pdl = false, g.cap = 4, g.stage_bytes = 49152, g.ring_bytes = 98304;
+                for (int fam = 0; fam < 2; fam++) {
+                    bf16* out = fam ? out_b : out_a;
+                    fill_random<<<16, 256>>>(out, m * out_n, 11, 1.0f);  // OUT_ADD adds into it
+                    g.bulk = fam;
+                    gemv(g, *c.kind, m, xin, norm, c.w, out, c.n, c.k);
+                    CK(cudaStreamSynchronize(g.stream));
+                    CK(cudaMemcpy((fam ? b : a).data(), out, m * out_n * 2, cudaMemcpyDeviceToHost));
+                }
+                int differ = 0;
+                float worst = 0;
+                for (int i = 0; i < m * out_n; i++) {
+                    const float va = __bfloat162float(a[i]), vb = __bfloat162float(b[i]);
+                    const float d = fabsf(va - vb) / fmaxf(1e-3f, fabsf(va));
+                    differ += va != vb;
+                    worst = fmaxf(worst, d);
+                }
+                printf("agreement %s m%d: %d of %d outputs differ, worst relative difference %.2e\n", c.name, m, differ,
+                       m * out_n, worst);
+            }
+        }
+    }
+
+    auto measure = [&](const char* label) {
+        const double layer = time_graph(g, [&] {
+            for (auto& l : layers) {
+                gemv(g, NORM_STORE, 1, h, norm, l.qkv, qkv, QKV, HIDDEN);
+                gemv(g, PLAIN_ADD, 1, qkv, nullptr, l.o, h, HIDDEN, Q);
+                gemv(g, NORM_SILU, 1, h, norm, l.gu, act, 2 * FF, HIDDEN);
+                gemv(g, PLAIN_ADD, 1, act, nullptr, l.down, h, HIDDEN, FF);
+            }
+        }) / LAYERS;
+        printf("%s pdl %d: layer %.2f us (%.0f%% of 4.8 TB/s)", label, g.pdl, layer, 100.0 * bytes_layer / 4.8e6 / layer);
+        // Each projection alone, 28 times in a row (distinct weights).
+        struct One { const char* name; const Kind* kind; const bf16* x; bf16* y; int n, k; };
+        const One ones[] = {{"qkv", &NORM_STORE, h, qkv, QKV, HIDDEN},
+                            {"o", &PLAIN_ADD, qkv, h, HIDDEN, Q},
+                            {"gate/up", &NORM_SILU, h, act, 2 * FF, HIDDEN},
+                            {"down", &PLAIN_ADD, act, h, HIDDEN, FF}};
+        for (const One& o : ones) {
+            const double us = time_graph(g, [&] {
+                for (auto& l : layers) {
+                    const bf16* w = o.n == QKV ? l.qkv : o.n == HIDDEN && o.k == Q ? l.o : o.kind->silu ? l.gu : l.down;
+                    gemv(g, *o.kind, 1, o.x, o.kind == &PLAIN_ADD ? nullptr : norm, w, o.y, o.n, o.k);
+                }
+            }) / LAYERS;
+            printf("  %s %.2f (%.2f MB)", o.name, us, 2.0 * o.n * o.k / 1e6);
+        }
+        printf("\n");
+    };
+    for (int pdl = 1; pdl >= 0; pdl--) {
+        g.pdl = pdl;
+        g.bulk = false;
+        for (int cap : {4, 2}) {
+            g.cap = cap;
+            char label[64];
+            snprintf(label, sizeof label, "registers, cap %d blocks/SM,", cap);
+            measure(label);
+        }
+        g.bulk = true;
+        for (auto [stage, ring] : {std::pair{49152, 98304}, std::pair{32768, 98304}, std::pair{32768, 65536}}) {
+            g.stage_bytes = stage, g.ring_bytes = ring;
+            char label[96];
+            snprintf(label, sizeof label, "bulk, stage %d KB, ring %d KB,", stage / 1024, ring / 1024);
+            measure(label);
+        }
+        for (int blocks : {1, g.sms, 4 * g.sms}) {
+            const double us = time_graph(g, [&] {
+                for (int i = 0; i < 4 * LAYERS; i++) launch(g, (const void*)nothing, dim3(blocks), dim3(256), 0, nullptr);
+            }) / (4 * LAYERS);
+            printf("pdl %d: empty kernel of %d blocks: %.2f us each\n", pdl, blocks, us);
+        }
+    }
+    return 0;
+}
