@@ -7,9 +7,9 @@
 // 3.9 µs, 1.1 TB/s). Here one block per multiprocessor owns a contiguous run of output columns, whose weight rows
 // are one contiguous run of memory; one thread issues bulk copies of it into a ring of shared-memory stages
 // before the kernel waits for its predecessor (weights are constant), so a projection's weights are in flight
-// while the kernel before it (attention, or the previous projection) finishes. The block uses about a third of
-// a multiprocessor's shared memory and a sixteenth of its registers, so the next projection's block fits
-// beside it and does the same.
+// while the kernel before it (attention, or the previous projection) finishes. The block uses under half of a
+// multiprocessor's shared memory and a quarter of its registers, so the next projection's block fits beside
+// it and does the same.
 //
 // Prologues and epilogues are those of kernels/gemv.cu (gemv_common.cuh), with the same roundings. OUT_SILU:
 // W is [gate | up]; a stage holds the block's next gate rows and the matching up rows.

@@ -136,6 +136,20 @@ def test_device_error_is_clear_without_gpu_only_message() -> None:
     assert info.startswith("cuda"), info
 
 
+def assert_runs_agree(path: Path, prompts: list[list[int]], got: list, ref: list, what: object) -> None:
+    """Each response of `got` against the reference run's `ref` (greedy, with logprobs): ids agree under the
+    near-tie rule and the first token's log-probabilities within bf16 tolerance. The reference's logits are not
+    reported, so the logit magnitudes (for the tolerances) and the near-ties come from transformers,
+    teacher-forced on the reference's ids."""
+    forced = hf_logits(path, [p + r.output_ids for p, r in zip(prompts, ref)])
+    for p, g, r, logits in zip(prompts, got, ref, forced):
+        rows = logits[len(p) - 1 : len(p) - 1 + len(r.output_ids)]
+        assert_greedy_agrees(g.output_ids, r.output_ids, top2(rows), (what, len(p)))
+        first, want = g.logprobs[0], r.logprobs[0]
+        tol = logprob_tol(rows[0], first.token_id, want.token_id) + 0.03 * abs(want.logprob)
+        assert abs(first.logprob - want.logprob) < tol, (what, len(p), first, want, tol)
+
+
 def test_logprobs_match_transformers_bf16(shape: tuple[str, Path]) -> None:
     name, path = shape
     (logits,) = hf_logits(path, [PROMPT + [5]])
@@ -174,16 +188,8 @@ def test_gpu_matches_cpu_backend(name: str, models_dir: Path) -> None:
     reqs = [stepllm.GenerationRequest(p, greedy(8, logprobs=5)) for p in prompts]
     gpu = coordinator(path, "cuda").dispatch_request(reqs)
     cpu = coordinator(path, "cpu").dispatch_request(reqs)
-    # The CPU computes in f32 from the same bf16 weights: it is the reference sequence. Its logits are not
-    # reported, so the logit magnitudes (for the tolerances) and the near-ties come from transformers,
-    # teacher-forced on the CPU's ids.
-    forced = hf_logits(path, [p + c.output_ids for p, c in zip(prompts, cpu)])
-    for p, g, c, logits in zip(prompts, gpu, cpu, forced):
-        rows = logits[len(p) - 1 : len(p) - 1 + len(c.output_ids)]
-        assert_greedy_agrees(g.output_ids, c.output_ids, top2(rows), (name, len(p)))
-        got, want = g.logprobs[0], c.logprobs[0]
-        tol = logprob_tol(rows[0], got.token_id, want.token_id) + 0.03 * abs(want.logprob)
-        assert abs(got.logprob - want.logprob) < tol, (name, len(p), got, want, tol)
+    # The CPU computes in f32 from the same bf16 weights: it is the reference sequence.
+    assert_runs_agree(path, prompts, gpu, cpu, name)
 
 
 def test_graph_decode_equals_eager(models_dir: Path) -> None:
@@ -204,13 +210,7 @@ def test_gemv_batches_match_cublas(rows: int, models_dir: Path, monkeypatch: pyt
     ours = coordinator(path, "cuda", graphs=True, max_batch_size=rows).dispatch_request(reqs)
     monkeypatch.setenv("STEPLLM_GEMV_MAX_ROWS", "0")
     ref = coordinator(path, "cuda", graphs=True, max_batch_size=rows).dispatch_request(reqs)
-    forced = hf_logits(path, [p + r.output_ids for p, r in zip(prompts, ref)])
-    for p, o, r, logits in zip(prompts, ours, ref, forced):
-        lrows = logits[len(p) - 1 : len(p) - 1 + len(r.output_ids)]
-        assert_greedy_agrees(o.output_ids, r.output_ids, top2(lrows), (rows, len(p)))
-        got, want = o.logprobs[0], r.logprobs[0]
-        tol = logprob_tol(lrows[0], got.token_id, want.token_id) + 0.03 * abs(want.logprob)
-        assert abs(got.logprob - want.logprob) < tol, (rows, len(p), got, want, tol)
+    assert_runs_agree(path, prompts, ours, ref, rows)
 
 
 def test_gpu_sampling_options(models_dir: Path) -> None:

@@ -86,11 +86,6 @@ impl RuntimeStepper {
         self.seated.first().copied()
     }
 
-    /// Every seated sequence, in admission order.
-    pub fn seated_group(&self) -> &[ResidentRef] {
-        &self.seated
-    }
-
     pub fn counts(&self) -> PoolCounts {
         PoolCounts {
             slot_capacity: self.slots.capacity(),

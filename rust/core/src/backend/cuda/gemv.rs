@@ -124,7 +124,7 @@ impl Gemv {
         match (&self.bulk, self.bulk_stages(p)) {
             (Some(bulk), Some((stage_rows, stages, smem))) if p.rows != 2 => {
                 let f = bulk[p.kind as usize][p.rows - 1];
-                let mut args = self.common_args(p);
+                let mut args = common_args(p);
                 args.extend([Arg::I32(stage_rows as i32), Arg::I32(stages as i32)]);
                 gpu.launch_smem(f, (gpu.sm_count as u32, 1, 1), GEMV_THREADS, smem as u32, &args)
             }
@@ -132,20 +132,6 @@ impl Gemv {
             // 1.083-1.091 ms per step on the Qwen3-0.6B shape (SmolLM2-135M: 0.668-0.682 against 0.647-0.668).
             _ => self.launch_registers(gpu, p),
         }
-    }
-
-    fn common_args(&self, p: &GemvLaunch) -> Vec<Arg> {
-        let (norm, eps) = p.norm.unwrap_or((0, 0.0));
-        vec![
-            Arg::Ptr(p.x),
-            Arg::Ptr(norm),
-            Arg::F32(eps),
-            Arg::Ptr(p.weight),
-            Arg::Ptr(p.bias),
-            Arg::Ptr(p.y),
-            Arg::I32(p.n as i32),
-            Arg::I32(p.k as i32),
-        ]
     }
 
     /// The bulk family's ring for this launch: (rows per stage, stages, dynamic shared memory), or None when
@@ -171,7 +157,7 @@ impl Gemv {
         // the row groups (staging and normalizing their input once), and the groups are spread evenly.
         let resident = self.blocks_per_multiprocessor(gpu, p, f, smem)? * gpu.sm_count;
         let grid = groups.div_ceil(groups.div_ceil(resident)) as u32;
-        let mut args = self.common_args(p);
+        let mut args = common_args(p);
         args.push(Arg::I32(wpr as i32));
         gpu.launch_smem(f, (grid, 1, 1), GEMV_THREADS, smem, &args)
     }
@@ -186,6 +172,21 @@ impl Gemv {
         known.push((key, blocks));
         Ok(blocks)
     }
+}
+
+/// The parameters both kernel families take first, in their order.
+fn common_args(p: &GemvLaunch) -> Vec<Arg> {
+    let (norm, eps) = p.norm.unwrap_or((0, 0.0));
+    vec![
+        Arg::Ptr(p.x),
+        Arg::Ptr(norm),
+        Arg::F32(eps),
+        Arg::Ptr(p.weight),
+        Arg::Ptr(p.bias),
+        Arg::Ptr(p.y),
+        Arg::I32(p.n as i32),
+        Arg::I32(p.k as i32),
+    ]
 }
 
 /// Warps per output column of a register-family GEMV: split K further while the GPU would not get 16 warps per

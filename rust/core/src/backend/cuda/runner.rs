@@ -69,13 +69,18 @@ const TRACE_EVERY: u64 = 200;
 
 impl ReplayTrace {
     fn from_env() -> Option<Self> {
-        std::env::var_os("STEPLLM_TRACE_REPLAY").map(|_| Self { phases_ns: [0; 5], replays: 0, rows: 0, launched: None, sampled: None })
+        std::env::var_os("STEPLLM_TRACE_REPLAY").map(|_| Self::window(0))
+    }
+
+    /// An empty averaging window for batch size `rows`.
+    fn window(rows: usize) -> Self {
+        Self { phases_ns: [0; 5], replays: 0, rows, launched: None, sampled: None }
     }
 
     /// `marks`: before packing the metadata, before copying it in, before launching the graph, after.
     fn record_launch(&mut self, rows: usize, marks: [Instant; 4]) {
         if rows != self.rows {
-            *self = Self { phases_ns: [0; 5], replays: 0, rows, launched: None, sampled: None };
+            *self = Self::window(rows);
         }
         for (i, total) in self.phases_ns[..3].iter_mut().enumerate() {
             *total += (marks[i + 1] - marks[i]).as_nanos() as u64;
