@@ -11,8 +11,7 @@ extern "C" __global__ void embed(const bf16* __restrict__ table, const u32* __re
     uint4* dst = reinterpret_cast<uint4*>(out + t * cols);
     const int c0 = threadIdx.x;
     const uint4 first = c0 < cols / 8 ? __ldg(src + c0) : make_uint4(0, 0, 0, 0);
-    pdl_wait();
-    pdl_launch_dependents();
+    kernel_begin();
     if (c0 < cols / 8) dst[c0] = first;
     for (int c = c0 + blockDim.x; c < cols / 8; c += blockDim.x) dst[c] = __ldg(src + c);
 }

@@ -60,8 +60,7 @@ __device__ void gemv(const bf16* __restrict__ x, const float* __restrict__ norm_
     uint4 wv[R][GEMV_UNROLL];
     load_weights<R>(w, first + warp / warps_per_row, cols, K, start, step, wv);
     // The weights are constant, so their first loads may overlap the previous kernel (common.cuh).
-    pdl_wait();
-    pdl_launch_dependents();
+    kernel_begin();
     stage_input<M, IN>(x, norm_w, eps, K, xs, inv);
 
     // Block-uniform loop, so the barriers inside are safe.

@@ -13,50 +13,10 @@
 //
 // Prologues and epilogues are those of kernels/gemv.cu (gemv_common.cuh), with the same roundings. OUT_SILU:
 // W is [gate | up]; a stage holds the block's next gate rows and the matching up rows.
-#include "gemv_common.cuh"
+#include "gemv_bulk.cuh"
 
-#define BULK_THREADS 256
-#define BULK_WARPS 8
 // Most ring stages a launch may ask for (the host picks the count from the stage size).
 #define BULK_MAX_STAGES 16
-
-#if __CUDA_ARCH__ >= 900
-__device__ __forceinline__ u32 smem_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
-
-__device__ __forceinline__ void mbar_init(unsigned long long* bar, u32 count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(count) : "memory");
-}
-
-// Make the barriers' initialization visible to the copy engine (the async proxy).
-__device__ __forceinline__ void fence_barrier_init() { asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory"); }
-
-// Order this thread's earlier shared-memory accesses (the block's reads of a stage, published to it by a
-// barrier) before the copy engine's next writes to that stage.
-__device__ __forceinline__ void fence_async_shared() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
-
-__device__ __forceinline__ void mbar_expect_bytes(unsigned long long* bar, u32 bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(bytes) : "memory");
-}
-
-__device__ __forceinline__ void bulk_copy(void* dst, const void* src, u32 bytes, unsigned long long* bar) {
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
-                     smem_addr(dst)),
-                 "l"(src), "r"(bytes), "r"(smem_addr(bar))
-                 : "memory");
-}
-
-__device__ __forceinline__ void mbar_wait(unsigned long long* bar, u32 parity) {
-    asm volatile(
-        "{\n"
-        ".reg .pred ready;\n"
-        "WAIT:\n"
-        "mbarrier.try_wait.parity.shared::cta.b64 ready, [%0], %1;\n"
-        "@!ready bra WAIT;\n"
-        "}\n" ::"r"(smem_addr(bar)),
-        "r"(parity)
-        : "memory");
-}
-#endif
 
 extern __shared__ __align__(16) unsigned char bulk_smem[];
 
@@ -81,7 +41,6 @@ __device__ void gemv_bulk(const bf16* __restrict__ x, const float* __restrict__ 
     const int first = (int)((long long)blockIdx.x * cols / gridDim.x);
     const int last = (int)((long long)(blockIdx.x + 1) * cols / gridDim.x);
     const int n_stages = (last - first + stage_rows - 1) / stage_rows;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 
     // Stage s holds columns [first + s * stage_rows, ...): their rows, and for OUT_SILU the up rows after them.
     auto issue = [&](int s) {
@@ -98,8 +57,7 @@ __device__ void gemv_bulk(const bf16* __restrict__ x, const float* __restrict__ 
         fence_barrier_init();
         for (int s = 0; s < min(stages, n_stages); s++) issue(s);
     }
-    pdl_wait();
-    pdl_launch_dependents();
+    kernel_begin();
     stage_input<M, IN>(x, norm_w, eps, K, xs, inv);  // its barriers also publish the initialized stage barriers
 
     const uint4* xv = reinterpret_cast<const uint4*>(xs);
@@ -107,38 +65,7 @@ __device__ void gemv_bulk(const bf16* __restrict__ x, const float* __restrict__ 
         const int c0 = first + s * stage_rows, n = min(stage_rows, last - c0);
         const uint4* stage = reinterpret_cast<const uint4*>(ring + (size_t)(s % stages) * stage_bytes);
         mbar_wait(&full[s % stages], (s / stages) & 1);
-        // A warp per column: its row (and up row) against every input row.
-        for (int r = warp; r < n; r += BULK_WARPS) {
-            float acc[R][M];
-#pragma unroll
-            for (int j = 0; j < R; j++)
-#pragma unroll
-                for (int m = 0; m < M; m++) acc[j][m] = 0.0f;
-            for (int c = lane; c < chunks; c += 32) {
-                uint4 wv[R];
-#pragma unroll
-                for (int j = 0; j < R; j++) wv[j] = stage[(size_t)(j * stage_rows + r) * chunks + c];
-#pragma unroll
-                for (int m = 0; m < M; m++) {
-                    const uint4 xm = xv[m * chunks + c];
-#pragma unroll
-                    for (int j = 0; j < R; j++) acc[j][m] += dot8(wv[j], xm);
-                }
-            }
-#pragma unroll
-            for (int j = 0; j < R; j++)
-#pragma unroll
-                for (int m = 0; m < M; m++) acc[j][m] = warp_sum(acc[j][m]);
-#pragma unroll
-            for (int m = 0; m < M; m++) {
-                if (lane == m) {
-                    float sums[R];
-#pragma unroll
-                    for (int j = 0; j < R; j++) sums[j] = acc[j][m];
-                    gemv_store<OUT>(sums, bias, y, cols, m, c0 + r);
-                }
-            }
-        }
+        stage_product<M, OUT>(stage, stage_rows, n, xv, chunks, bias, y, cols, c0);
         __syncthreads();  // every warp is done with this stage
         if (threadIdx.x == 0 && s + stages < n_stages) {
             fence_async_shared();

@@ -18,8 +18,7 @@ extern "C" __global__ void __launch_bounds__(32 * ROPE_WARPS)
     // Batch metadata may be read before the wait (common.cuh says why).
     const float pos = (float)positions[t];
     const u32 slot = slots[t];
-    pdl_wait();
-    pdl_launch_dependents();
+    kernel_begin();
     if (h >= num_heads + 2 * num_kv_heads) return;
     const bool is_q = h < num_heads, is_v = h >= num_heads + num_kv_heads;
     const int kv_head = is_v ? h - num_heads - num_kv_heads : h - num_heads;

@@ -5,13 +5,16 @@
 // two GEMV families, kernels/gemv.cu (weights through registers, one-wave grids, capped at 1..4 blocks per
 // multiprocessor) and kernels/gemv_bulk.cu (weights bulk-copied into shared memory; stage and ring sizes
 // varied): µs per layer and per kernel against the bandwidth floor, and whether the two agree on each
-// projection's output at batch 1 and 4. Also the floor of a chain of kernels that do nothing. Built and run
-// on the GPU machine:
+// projection's output at batch 1 and 4. Also the floor of a chain of kernels that do nothing, and the
+// projection-chain experiment (projection_chain.cu here: a layer's O, gate/up, down and the next QKV as one
+// kernel with grid barriers, against the four bulk kernels, both behind a stand-in for the attention). Built
+// and run on the GPU machine:
 //
 //   nvcc -arch=sm_90 -DSTEPLLM_PDL -O3 -std=c++17 -I kernels -o /tmp/gemv_chain benchmarks/kernels/gemv_chain.cu
 //   /tmp/gemv_chain
 #include "gemv.cu"
 #include "gemv_bulk.cu"
+#include "projection_chain.cu"
 
 #include <cstdio>
 #include <cstdlib>
@@ -50,6 +53,7 @@ struct Gpu {
     bool bulk;         // the bulk-copy family instead
     int stage_bytes;   // its stage size target
     int ring_bytes;    // and ring size
+    bool fit;          // the ring no larger than the block's rows need (measured no faster; not in the runtime)
     cudaStream_t stream;
 };
 
@@ -104,10 +108,16 @@ void gemv_bulk_launch(const Gpu& g, BulkFn f, bool silu, int m, const bf16* x, c
     int stage_rows = g.stage_bytes / (r * k * 2);
     if (stage_rows >= 8) stage_rows -= stage_rows % 8;
     if (stage_rows < 1) stage_rows = 1;
-    const int stage = r * stage_rows * k * 2;
-    int stages = g.ring_bytes / stage;
+    int stages = g.ring_bytes / (r * stage_rows * k * 2);
     if (stages < 2) stages = 2;
     if (stages > BULK_MAX_STAGES) stages = BULK_MAX_STAGES;
+    if (g.fit) {
+        const int block_cols = (n / r + g.sms - 1) / g.sms;
+        if (stage_rows > block_cols) stage_rows = block_cols;
+        const int needed = (block_cols + stage_rows - 1) / stage_rows;
+        if (stages > needed) stages = needed;
+    }
+    const int stage = r * stage_rows * k * 2;
     const size_t smem = (size_t)m * k * 2 + (size_t)stages * stage;
     CK(cudaFuncSetAttribute((const void*)f, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
     float eps = 1e-6f;
@@ -121,6 +131,39 @@ void gemv(const Gpu& g, const Kind& kind, int m, const bf16* x, const float* nor
         gemv_bulk_launch(g, m == 1 ? kind.bulk1 : kind.bulk4, kind.silu, m, x, norm, w, y, n, k);
     else
         gemv_reg(g, m == 1 ? kind.reg1 : kind.reg4, kind.silu, m, x, norm, w, y, n, k);
+}
+
+// One phase of the projection chain: as many whole output columns as fit a slot (a multiple of 8 when 8 fit).
+ChainPhase chain_phase(const Gpu& g, const bf16* x, const float* norm, const bf16* w, bf16* y, int n, int k, int in,
+                       int out, int slot_bytes) {
+    const int r = out == OUT_SILU ? 2 : 1, cols = n / r, block_cols = (cols + g.sms - 1) / g.sms;
+    int stage_cols = slot_bytes / (r * k * 2);
+    if (stage_cols >= 8) stage_cols -= stage_cols % 8;
+    if (stage_cols > block_cols) stage_cols = block_cols;
+    return ChainPhase{x, norm, w, nullptr, y, n, k, in, out, stage_cols};
+}
+
+void chain_launch(const Gpu& g, int m, Chain c) {
+    int widest = 0;
+    for (int p = 0; p < c.phases; p++) widest = widest > c.phase[p].k ? widest : c.phase[p].k;
+    const size_t smem = ((size_t)m * widest * 2 + 15) / 16 * 16 + (size_t)c.slots * c.slot_bytes;
+    const void* f = m == 1 ? (const void*)projection_chain_m1 : (const void*)projection_chain_m4;
+    CK(cudaFuncSetAttribute(f, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    void* args[] = {&c};
+    launch(g, f, dim3(g.sms), dim3(BULK_THREADS), smem, args);
+}
+
+// Stands in for the attention between a layer's QKV and O: a small kernel that reads qkv and writes the O input.
+// The second form releases the next kernel before it waits, so O's weights load while QKV still runs (tried
+// in the decode attention too: the runtime got slower, benchmarks/RESULTS.md).
+extern "C" __global__ void standin_attention(const bf16* qkv, bf16* att, int n) {
+    kernel_begin();
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) att[i] = qkv[i];
+}
+extern "C" __global__ void standin_attention_releasing_first(const bf16* qkv, bf16* att, int n) {
+    pdl_launch_dependents();
+    pdl_wait();
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) att[i] = qkv[i];
 }
 
 struct Layer {
@@ -195,7 +238,7 @@ int main() {
             for (int m : {1, 4}) {
                 const int out_n = c.kind->silu ? c.n / 2 : c.n;
                 std::vector<bf16> a(m * out_n), b(m * out_n);
-                g.pdl = false, g.cap = 4, g.stage_bytes = 49152, g.ring_bytes = 98304;
+                g.pdl = false, g.cap = 4, g.stage_bytes = 49152, g.ring_bytes = 98304, g.fit = false;
                 for (int fam = 0; fam < 2; fam++) {
                     bf16* out = fam ? out_b : out_a;
                     fill_random<<<16, 256>>>(out, m * out_n, 11, 1.0f);  // OUT_ADD adds into it
@@ -214,6 +257,95 @@ int main() {
                 }
                 printf("agreement %s m%d: %d of %d outputs differ, worst relative difference %.2e\n", c.name, m, differ,
                        m * out_n, worst);
+            }
+        }
+    }
+
+    // The projection chain (kernels/projection_chain.cu): a layer as the runtime runs it at decode, attention
+    // (a stand-in kernel) then O, gate/up, down and the next layer's QKV, either as four bulk GEMV kernels or as
+    // one chain kernel; batch rows 1 and 4. First whether the chain's outputs equal the separate kernels'.
+    {
+        unsigned long long* arrivals;
+        bf16 *h4, *h_ref, *qkv4, *qkv_ref, *att4, *act4;
+        CK(cudaMalloc(&arrivals, 8));
+        CK(cudaMemset(arrivals, 0, 8));
+        CK(cudaMalloc(&h4, 4 * HIDDEN * 2));
+        CK(cudaMalloc(&h_ref, 4 * HIDDEN * 2));
+        CK(cudaMalloc(&qkv4, 4 * QKV * 2));
+        CK(cudaMalloc(&qkv_ref, 4 * QKV * 2));
+        CK(cudaMalloc(&att4, 4 * Q * 2));
+        CK(cudaMalloc(&act4, 4 * FF * 2));
+        g.bulk = true, g.fit = false, g.stage_bytes = 49152, g.ring_bytes = 98304, g.cap = 4;
+        auto chain_of = [&](int m, int l, int slot_bytes, int slots, bf16* h_, bf16* qkv_) {
+            Chain c = {};
+            c.phase[0] = chain_phase(g, att4, nullptr, layers[l].o, h_, HIDDEN, Q, IN_PLAIN, OUT_ADD, slot_bytes);
+            c.phase[1] = chain_phase(g, h_, norm, layers[l].gu, act4, 2 * FF, HIDDEN, IN_NORM, OUT_SILU, slot_bytes);
+            c.phase[2] = chain_phase(g, act4, nullptr, layers[l].down, h_, HIDDEN, FF, IN_PLAIN, OUT_ADD, slot_bytes);
+            c.phase[3] = chain_phase(g, h_, norm, layers[(l + 1) % LAYERS].qkv, qkv_, QKV, HIDDEN, IN_NORM, OUT_STORE, slot_bytes);
+            c.phases = 4, c.eps = 1e-6f, c.arrivals = arrivals, c.slot_bytes = slot_bytes, c.slots = slots;
+            return c;
+        };
+        auto separate_tail = [&](int m, int l, bf16* h_, bf16* qkv_) {
+            gemv(g, PLAIN_ADD, m, att4, nullptr, layers[l].o, h_, HIDDEN, Q);
+            gemv(g, NORM_SILU, m, h_, norm, layers[l].gu, act4, 2 * FF, HIDDEN);
+            gemv(g, PLAIN_ADD, m, act4, nullptr, layers[l].down, h_, HIDDEN, FF);
+            gemv(g, NORM_STORE, m, h_, norm, layers[(l + 1) % LAYERS].qkv, qkv_, QKV, HIDDEN);
+        };
+        for (int m : {1, 4}) {
+            g.pdl = false;
+            fill_random<<<16, 256>>>(att4, 4 * Q, 21, 2.0f);
+            fill_random<<<16, 256>>>(h4, 4 * HIDDEN, 22, 2.0f);
+            CK(cudaMemcpy(h_ref, h4, 4 * HIDDEN * 2, cudaMemcpyDeviceToDevice));
+            separate_tail(m, 0, h_ref, qkv_ref);
+            chain_launch(g, m, chain_of(m, 0, 49152, 4, h4, qkv4));
+            CK(cudaDeviceSynchronize());
+            std::vector<bf16> a(m * QKV), b(m * QKV), ha(m * HIDDEN), hb(m * HIDDEN);
+            CK(cudaMemcpy(a.data(), qkv_ref, m * QKV * 2, cudaMemcpyDeviceToHost));
+            CK(cudaMemcpy(b.data(), qkv4, m * QKV * 2, cudaMemcpyDeviceToHost));
+            CK(cudaMemcpy(ha.data(), h_ref, m * HIDDEN * 2, cudaMemcpyDeviceToHost));
+            CK(cudaMemcpy(hb.data(), h4, m * HIDDEN * 2, cudaMemcpyDeviceToHost));
+            int differ = 0;
+            for (int i = 0; i < m * QKV; i++) differ += __bfloat162float(a[i]) != __bfloat162float(b[i]);
+            for (int i = 0; i < m * HIDDEN; i++) differ += __bfloat162float(ha[i]) != __bfloat162float(hb[i]);
+            printf("agreement chain m%d: %d of %d outputs (qkv and residual) differ from the separate kernels\n", m, differ,
+                   m * (QKV + HIDDEN));
+        }
+        g.pdl = true;
+        int q_width = Q;
+        void* standin_args[] = {&qkv4, &att4, &q_width};
+        for (int m : {1, 4}) {
+            const double separate = time_graph(g, [&] {
+                gemv(g, NORM_STORE, m, h4, norm, layers[0].qkv, qkv4, QKV, HIDDEN);
+                for (int l = 0; l < LAYERS; l++) {
+                    launch(g, (const void*)standin_attention, dim3(8), dim3(256), 0, standin_args);
+                    separate_tail(m, l, h4, qkv4);
+                }
+            }) / LAYERS;
+            printf("m%d separate bulk kernels (attention stand-in + 4 GEMVs): layer %.2f us\n", m, separate);
+            for (int fit : {0, 1}) {
+                g.fit = fit;
+                const double releasing = time_graph(g, [&] {
+                    gemv(g, NORM_STORE, m, h4, norm, layers[0].qkv, qkv4, QKV, HIDDEN);
+                    for (int l = 0; l < LAYERS; l++) {
+                        launch(g, (const void*)standin_attention_releasing_first, dim3(8), dim3(256), 0, standin_args);
+                        separate_tail(m, l, h4, qkv4);
+                    }
+                }) / LAYERS;
+                printf("m%d separate bulk kernels, the stand-in releasing O before its wait%s: layer %.2f us\n", m,
+                       fit ? ", rings fitted to the block" : "", releasing);
+            }
+            g.fit = false;
+            for (auto ring : {std::pair{49152, 4}, std::pair{40960, 5}, std::pair{32768, 6}, std::pair{24576, 8},
+                              std::pair{65536, 3}, std::pair{32768, 4}}) {
+                const int slot = ring.first, slots = ring.second;
+                const double chained = time_graph(g, [&] {
+                    gemv(g, NORM_STORE, m, h4, norm, layers[0].qkv, qkv4, QKV, HIDDEN);
+                    for (int l = 0; l < LAYERS; l++) {
+                        launch(g, (const void*)standin_attention, dim3(8), dim3(256), 0, standin_args);
+                        chain_launch(g, m, chain_of(m, l, slot, slots, h4, qkv4));
+                    }
+                }) / LAYERS;
+                printf("m%d chain, %d slots of %d KB: layer %.2f us\n", m, slots, slot / 1024, chained);
             }
         }
     }
@@ -255,11 +387,14 @@ int main() {
             measure(label);
         }
         g.bulk = true;
-        for (auto [stage, ring] : {std::pair{49152, 98304}, std::pair{32768, 98304}, std::pair{32768, 65536}}) {
-            g.stage_bytes = stage, g.ring_bytes = ring;
-            char label[96];
-            snprintf(label, sizeof label, "bulk, stage %d KB, ring %d KB,", stage / 1024, ring / 1024);
-            measure(label);
+        for (int fit : {0, 1}) {
+            for (auto [stage, ring] : {std::pair{49152, 98304}, std::pair{32768, 65536}}) {
+                g.stage_bytes = stage, g.ring_bytes = ring, g.fit = fit;
+                char label[96];
+                snprintf(label, sizeof label, "bulk, stage %d KB, ring %d KB%s,", stage / 1024, ring / 1024,
+                         fit ? " (fit to the block)" : "");
+                measure(label);
+            }
         }
         for (int blocks : {1, g.sms, 4 * g.sms}) {
             const double us = time_graph(g, [&] {
