@@ -50,24 +50,57 @@ impl ByteTable {
         // Bytes go straight into `out`'s buffer; valid UTF-8 (the usual case) needs no second copy.
         let mut bytes = std::mem::take(out).into_bytes();
         let start = bytes.len();
+        self.push_bytes(ids, skip_special_tokens, &mut bytes);
+        *out = text_of(bytes, start);
+    }
+
+    /// [`decode_into`](Self::decode_into) of `ids`, also returning the length of the text that `ids[..split]`
+    /// decodes to on its own: both decodes of an incremental detokenizer's window, with one pass over the table.
+    pub fn decode_window_into(&self, ids: &[u32], split: usize, skip_special_tokens: bool, out: &mut String) -> usize {
+        let mut bytes = std::mem::take(out).into_bytes();
+        let start = bytes.len();
+        self.push_bytes(&ids[..split], skip_special_tokens, &mut bytes);
+        let split_at = bytes.len();
+        self.push_bytes(&ids[split..], skip_special_tokens, &mut bytes);
+        match String::from_utf8(bytes) {
+            // Valid text cut at a character boundary: the prefix's bytes are valid on their own (the usual case,
+            // settled by the one validation of the whole window).
+            Ok(text) if text.is_char_boundary(split_at) => {
+                *out = text;
+                split_at - start
+            }
+            invalid_or_split => {
+                let bytes = invalid_or_split.map_or_else(|e| e.into_bytes(), String::into_bytes);
+                let prefix_len = String::from_utf8_lossy(&bytes[start..split_at]).len();
+                *out = text_of(bytes, start);
+                prefix_len
+            }
+        }
+    }
+
+    fn push_bytes(&self, ids: &[u32], skip_special_tokens: bool, bytes: &mut Vec<u8>) {
         for &id in ids {
             let id = id as usize;
             if !(skip_special_tokens && self.special[id]) {
                 bytes.extend_from_slice(&self.bytes[self.offsets[id] as usize..self.offsets[id + 1] as usize]);
             }
         }
-        *out = match String::from_utf8(bytes) {
-            Ok(text) => text,
-            Err(e) => {
-                // A split character: U+FFFD for the invalid sequences of the new bytes, as the library does.
-                let mut bytes = e.into_bytes();
-                let lossy = String::from_utf8_lossy(&bytes[start..]).into_owned();
-                bytes.truncate(start);
-                let mut text = String::from_utf8(bytes).expect("the bytes before `start` were a String");
-                text.push_str(&lossy);
-                text
-            }
-        };
+    }
+}
+
+/// `bytes` as text: the bytes before `start` are a String's, the new ones are read as the library reads them.
+fn text_of(bytes: Vec<u8>, start: usize) -> String {
+    match String::from_utf8(bytes) {
+        Ok(text) => text,
+        Err(e) => {
+            // A split character: U+FFFD for the invalid sequences of the new bytes, as the library does.
+            let mut bytes = e.into_bytes();
+            let lossy = String::from_utf8_lossy(&bytes[start..]).into_owned();
+            bytes.truncate(start);
+            let mut text = String::from_utf8(bytes).expect("the bytes before `start` were a String");
+            text.push_str(&lossy);
+            text
+        }
     }
 }
 

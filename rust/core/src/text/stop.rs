@@ -124,10 +124,8 @@ impl TextStream {
     /// Decodes the window into `self.window` and finds the text that the ids since `read_offset` add to it.
     fn decode_new_tokens(&mut self, tok: &Tokenizer) -> Result<AddedText> {
         self.window.clear();
-        tok.decode_into(&self.ids[self.prefix_offset..self.read_offset], self.skip_special_tokens, &mut self.window)?;
-        let prefix_len = self.window.len();
-        self.window.clear();
-        tok.decode_into(&self.ids[self.prefix_offset..], self.skip_special_tokens, &mut self.window)?;
+        let split = self.read_offset - self.prefix_offset;
+        let prefix_len = tok.decode_window_into(&self.ids[self.prefix_offset..], split, self.skip_special_tokens, &mut self.window)?;
         // The window's text extends the prefix's for byte-level decoders; slicing by length (as vLLM does)
         // also tolerates decoders that rewrite the start of a window. Nothing new (e.g. a skipped special
         // token) leaves the offsets where they are.
@@ -173,18 +171,38 @@ fn earliest_stop<'s>(text: &str, stops: &'s [String]) -> Option<(usize, &'s str)
     stops
         .iter()
         .filter(|s| !s.is_empty())
-        .filter_map(|s| text.find(s.as_str()).map(|at| (at, s.as_str())))
+        .filter_map(|s| find_stop(text, s).map(|at| (at, s.as_str())))
         .min_by_key(|&(at, s)| (at, s.len()))
+}
+
+/// Longest text searched by a plain scan; a stream's pending text (a held-back stop prefix and one token's
+/// text) is almost always shorter.
+const SHORT_TEXT: usize = 64;
+
+/// `text.find(stop)` for a non-empty stop. Every row searches its pending text for every stop on every decode
+/// tick, and for a few bytes `str::find`'s searcher costs more to set up than a plain scan takes. A byte match
+/// of a whole UTF-8 string always starts at a character boundary, so both give the same position.
+fn find_stop(text: &str, stop: &str) -> Option<usize> {
+    if text.len() > SHORT_TEXT {
+        return text.find(stop);
+    }
+    let (text, stop) = (text.as_bytes(), stop.as_bytes());
+    let last_start = text.len().checked_sub(stop.len())?;
+    (0..=last_start).find(|&at| text[at] == stop[0] && text[at..].starts_with(stop))
 }
 
 /// Length in bytes of the longest suffix of `text` that is a proper prefix of some stop string: text that
 /// the next tokens could still turn into a stop, so it must not be emitted yet.
 fn longest_stop_prefix_suffix(text: &str, stops: &[String]) -> usize {
+    let Some(&last) = text.as_bytes().last() else { return 0 };
     stops
         .iter()
         .filter_map(|stop| {
             let longest = (stop.len() - 1).min(text.len());
-            (1..=longest).rev().find(|&n| stop.is_char_boundary(n) && text.ends_with(&stop[..n]))
+            // Comparing the last byte first skips a full comparison for almost every candidate length.
+            (1..=longest)
+                .rev()
+                .find(|&n| stop.as_bytes()[n - 1] == last && stop.is_char_boundary(n) && text.ends_with(&stop[..n]))
         })
         .max()
         .unwrap_or(0)
@@ -205,6 +223,16 @@ mod tests {
         assert_eq!(truncate_at_stop("no match", &s), ("no match".to_string(), None));
         assert_eq!(truncate_at_stop("abc", &stops(&["abc", "ab"])), ("".to_string(), Some("ab".to_string())));
         assert_eq!(truncate_at_stop("abc", &stops(&[""])), ("abc".to_string(), None));
+    }
+
+    #[test]
+    fn find_stop_agrees_with_str_find() {
+        let long = "x".repeat(SHORT_TEXT) + "é</end>";
+        for text in ["", "a", "</end", "</end>", "ab</end>cd</end>", "éé</end>", "a é", "ééé", long.as_str()] {
+            for stop in ["</end>", "é", "a", "éa", "d", "</end></end></end>"] {
+                assert_eq!(find_stop(text, stop), text.find(stop), "{text:?} {stop:?}");
+            }
+        }
     }
 
     #[test]

@@ -163,12 +163,7 @@ impl Tokenizer {
 
     /// [`decode`](Self::decode), appended to `out`: a caller decoding every step reuses one buffer.
     pub fn decode_into(&self, ids: &[u32], skip_special_tokens: bool, out: &mut String) -> Result<()> {
-        if let Some(bad) = ids.iter().find(|&&id| id as usize >= self.vocab_size) {
-            return invalid(format!(
-                "token id {bad} is outside the tokenizer's vocabulary of {} tokens",
-                self.vocab_size
-            ));
-        }
+        check_ids(ids, self.vocab_size)?;
         if let Some(table) = &self.byte_table {
             table.decode_into(ids, skip_special_tokens, out);
             return Ok(());
@@ -179,6 +174,22 @@ impl Tokenizer {
             .map_err(|e| Error::Internal(format!("tokenizer failed to decode {} ids: {e}", ids.len())))?;
         out.push_str(&text);
         Ok(())
+    }
+
+    /// [`decode_into`](Self::decode_into) of `ids`, also returning the length of the text that `ids[..split]`
+    /// decodes to on its own. An incremental detokenizer needs both for every generated token; byte-level
+    /// tokenizers produce them in one pass.
+    pub fn decode_window_into(&self, ids: &[u32], split: usize, skip_special_tokens: bool, out: &mut String) -> Result<usize> {
+        if let Some(table) = &self.byte_table {
+            check_ids(ids, self.vocab_size)?;
+            return Ok(table.decode_window_into(ids, split, skip_special_tokens, out));
+        }
+        let start = out.len();
+        self.decode_into(&ids[..split], skip_special_tokens, out)?;
+        let prefix_len = out.len() - start;
+        out.truncate(start);
+        self.decode_into(ids, skip_special_tokens, out)?;
+        Ok(prefix_len)
     }
 
     /// One past the largest token id, added tokens included.
@@ -197,6 +208,14 @@ impl Tokenizer {
     /// Whether `id` is a special (control) token, the kind `skip_special_tokens` drops.
     pub fn is_special(&self, id: u32) -> bool {
         self.special_ids.contains(&id)
+    }
+}
+
+/// An id outside the vocabulary is an error rather than silently dropped.
+fn check_ids(ids: &[u32], vocab_size: usize) -> Result<()> {
+    match ids.iter().find(|&&id| id as usize >= vocab_size) {
+        Some(bad) => invalid(format!("token id {bad} is outside the tokenizer's vocabulary of {vocab_size} tokens")),
+        None => Ok(()),
     }
 }
 
@@ -411,6 +430,17 @@ mod tests {
         for w in &windows {
             for skip in [false, true] {
                 assert_eq!(tok.decode(w, skip).unwrap(), library(w, skip), "ids {w:?}, skip {skip}");
+            }
+        }
+        // The incremental detokenizer's window: the whole window's text and its prefix's text length.
+        for w in windows.iter().step_by(4) {
+            for skip in [false, true] {
+                for split in 0..=w.len() {
+                    let mut out = String::from("é");
+                    let prefix_len = tok.decode_window_into(w, split, skip, &mut out).unwrap();
+                    let expected = (library(&w[..split], skip).len(), format!("é{}", library(w, skip)));
+                    assert_eq!((prefix_len, out), expected, "ids {w:?}, split {split}, skip {skip}");
+                }
             }
         }
     }
