@@ -9,11 +9,13 @@ typedef unsigned int u32;
 // Programmatic dependent launch (sm_90+, the PTX built with -DSTEPLLM_PDL): the host launches each kernel so it
 // may start while the previous one is still running. `pdl_wait` blocks until that kernel has finished and its
 // writes are visible, so every kernel calls it, unconditionally, before it touches anything another kernel writes
-// or reads. `pdl_launch_dependents`, called only after the wait, then lets the next kernel start its prologue.
-// Two things may be read before the wait: constant weights, and the batch metadata (tokens, positions, slots,
-// block tables). The metadata is copied in before the forward's first kernel, and a kernel can only start after
-// its predecessor passed its own wait, so by induction the copy is complete. Without PDL, or in the compute_80
-// PTX, both calls are no-ops.
+// or reads. `pdl_launch_dependents` lets the next kernel start its prologue; kernels call it right after the
+// wait, except the register GEMV (kernels/gemv.cu), which calls it first (measured faster there). Either way
+// kernels run in order: a kernel's wait returns only once its predecessor is complete, and that one's wait had
+// returned before. Two things may be read before the wait: constant weights, and the batch metadata (tokens,
+// positions, slots, block tables). The metadata is copied in by a plain (not programmatic) dependency before the
+// forward's first kernel, and a kernel can only start after its predecessor has started, so by induction the
+// copy is complete. Without PDL, or in the compute_80 PTX, both calls are no-ops.
 #ifdef STEPLLM_PDL
 __device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
 __device__ __forceinline__ void pdl_launch_dependents() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }

@@ -59,8 +59,11 @@ __device__ void gemv(const bf16* __restrict__ x, const float* __restrict__ norm_
     int first = blockIdx.x * rows_per_block;
     uint4 wv[R][GEMV_UNROLL];
     load_weights<R>(w, first + warp / warps_per_row, cols, K, start, step, wv);
-    // The weights are constant, so their first loads may overlap the previous kernel (common.cuh).
-    kernel_begin();
+    // The weights are constant, so their first loads may overlap the previous kernel (common.cuh). The next
+    // kernel is released before the wait, so its own first loads start as soon as it finds room (two decode rows
+    // on the H200: 4-10% faster per step; the bulk GEMV measured slower that way).
+    pdl_launch_dependents();
+    pdl_wait();
     stage_input<M, IN>(x, norm_w, eps, K, xs, inv);
 
     // Block-uniform loop, so the barriers inside are safe.
