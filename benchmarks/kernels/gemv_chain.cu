@@ -261,7 +261,7 @@ int main() {
         }
     }
 
-    // The projection chain (kernels/projection_chain.cu): a layer as the runtime runs it at decode, attention
+    // The projection chain (projection_chain.cu here): a layer as the runtime runs it at decode, attention
     // (a stand-in kernel) then O, gate/up, down and the next layer's QKV, either as four bulk GEMV kernels or as
     // one chain kernel; batch rows 1 and 4. First whether the chain's outputs equal the separate kernels'.
     {
@@ -313,38 +313,34 @@ int main() {
         g.pdl = true;
         int q_width = Q;
         void* standin_args[] = {&qkv4, &att4, &q_width};
+        // µs per layer of 28: the first QKV, then per layer the stand-in attention and the rest of the layer.
+        auto per_layer = [&](int m, const void* standin, auto rest_of_layer) {
+            return time_graph(g, [&] {
+                       gemv(g, NORM_STORE, m, h4, norm, layers[0].qkv, qkv4, QKV, HIDDEN);
+                       for (int l = 0; l < LAYERS; l++) {
+                           launch(g, standin, dim3(8), dim3(256), 0, standin_args);
+                           rest_of_layer(l);
+                       }
+                   }) /
+                   LAYERS;
+        };
         for (int m : {1, 4}) {
-            const double separate = time_graph(g, [&] {
-                gemv(g, NORM_STORE, m, h4, norm, layers[0].qkv, qkv4, QKV, HIDDEN);
-                for (int l = 0; l < LAYERS; l++) {
-                    launch(g, (const void*)standin_attention, dim3(8), dim3(256), 0, standin_args);
-                    separate_tail(m, l, h4, qkv4);
-                }
-            }) / LAYERS;
-            printf("m%d separate bulk kernels (attention stand-in + 4 GEMVs): layer %.2f us\n", m, separate);
+            auto separate = [&](int l) { separate_tail(m, l, h4, qkv4); };
+            printf("m%d separate bulk kernels (attention stand-in + 4 GEMVs): layer %.2f us\n", m,
+                   per_layer(m, (const void*)standin_attention, separate));
             for (int fit : {0, 1}) {
                 g.fit = fit;
-                const double releasing = time_graph(g, [&] {
-                    gemv(g, NORM_STORE, m, h4, norm, layers[0].qkv, qkv4, QKV, HIDDEN);
-                    for (int l = 0; l < LAYERS; l++) {
-                        launch(g, (const void*)standin_attention_releasing_first, dim3(8), dim3(256), 0, standin_args);
-                        separate_tail(m, l, h4, qkv4);
-                    }
-                }) / LAYERS;
                 printf("m%d separate bulk kernels, the stand-in releasing O before its wait%s: layer %.2f us\n", m,
-                       fit ? ", rings fitted to the block" : "", releasing);
+                       fit ? ", rings fitted to the block" : "",
+                       per_layer(m, (const void*)standin_attention_releasing_first, separate));
             }
             g.fit = false;
             for (auto ring : {std::pair{49152, 4}, std::pair{40960, 5}, std::pair{32768, 6}, std::pair{24576, 8},
                               std::pair{65536, 3}, std::pair{32768, 4}}) {
                 const int slot = ring.first, slots = ring.second;
-                const double chained = time_graph(g, [&] {
-                    gemv(g, NORM_STORE, m, h4, norm, layers[0].qkv, qkv4, QKV, HIDDEN);
-                    for (int l = 0; l < LAYERS; l++) {
-                        launch(g, (const void*)standin_attention, dim3(8), dim3(256), 0, standin_args);
-                        chain_launch(g, m, chain_of(m, l, slot, slots, h4, qkv4));
-                    }
-                }) / LAYERS;
+                const double chained = per_layer(m, (const void*)standin_attention, [&](int l) {
+                    chain_launch(g, m, chain_of(m, l, slot, slots, h4, qkv4));
+                });
                 printf("m%d chain, %d slots of %d KB: layer %.2f us\n", m, slots, slot / 1024, chained);
             }
         }
