@@ -12,10 +12,7 @@
 
 #define GEMV_THREADS 256
 #define GEMV_WARPS 8
-// Overridable for experiments (benchmarks/kernels/gemv_chain.cu builds variants).
-#ifndef GEMV_UNROLL
 #define GEMV_UNROLL 4
-#endif
 
 extern __shared__ __align__(16) unsigned char gemv_smem[];
 
@@ -127,9 +124,7 @@ __device__ void gemv(const bf16* __restrict__ x, const float* __restrict__ norm_
 // One- and two-row projections are capped at 64 registers so 4 blocks fit on a multiprocessor: a Qwen3-0.6B
 // QKV projection (512 blocks) then runs in one wave on an H200. The gate/up variants hold two weight rows per
 // warp and would spill under that cap; larger M keeps whatever registers it needs.
-#ifndef GEMV_MIN_BLOCKS
 #define GEMV_MIN_BLOCKS(M, OUT) ((OUT) != OUT_SILU && (M) <= 2 ? 4 : 1)
-#endif
 
 #define GEMV_VARIANT(M, IN, OUT, NAME)                                                                          \
     extern "C" __global__ void __launch_bounds__(GEMV_THREADS, GEMV_MIN_BLOCKS(M, OUT)) NAME##_m##M(              \

@@ -45,12 +45,7 @@ __device__ void gemv_bulk(const bf16* __restrict__ x, const float* __restrict__ 
     // Stage s holds columns [first + s * stage_rows, ...): their rows, and for OUT_SILU the up rows after them.
     auto issue = [&](int s) {
         const int c0 = first + s * stage_rows, n = min(stage_rows, last - c0);
-        unsigned char* dst = ring + (size_t)(s % stages) * stage_bytes;
-        unsigned long long* bar = &full[s % stages];
-        mbar_expect_bytes(bar, (u32)(R * n * row_bytes));
-#pragma unroll
-        for (int r = 0; r < R; r++)
-            bulk_copy(dst + r * stage_rows * row_bytes, w + ((size_t)r * cols + c0) * K, (u32)(n * row_bytes), bar);
+        copy_stage_rows<R>(ring + (size_t)(s % stages) * stage_bytes, &full[s % stages], w, cols, K, c0, n, stage_rows);
     };
     if (threadIdx.x == 0) {
         for (int i = 0; i < stages; i++) mbar_init(&full[i], 1);

@@ -45,6 +45,18 @@ __device__ __forceinline__ void mbar_wait(unsigned long long* bar, u32 parity) {
         : "memory");
 }
 
+// Copy the weight rows of output columns [c0, c0 + n) into a ring stage and arm its barrier: the rows themselves,
+// and for R = 2 ([gate | up] weights of `cols` columns each) the matching up rows, stage_rows rows further on.
+template <int R>
+__device__ __forceinline__ void copy_stage_rows(unsigned char* dst, unsigned long long* bar, const bf16* w, int cols,
+                                                int K, int c0, int n, int stage_rows) {
+    const size_t row_bytes = (size_t)K * 2;
+    mbar_expect_bytes(bar, (u32)(R * n * row_bytes));
+#pragma unroll
+    for (int r = 0; r < R; r++)
+        bulk_copy(dst + r * stage_rows * row_bytes, w + ((size_t)r * cols + c0) * K, (u32)(n * row_bytes), bar);
+}
+
 // The outputs of one ring stage: n output columns starting at c0, whose weight rows sit in `stage` (for OUT_SILU
 // the gate rows, then, stage_rows rows further, the matching up rows), against the M input rows `xv` (chunks
 // 16-byte words each). A warp per column.

@@ -89,14 +89,12 @@ __device__ void issue_stage(const Chain& c, int g, unsigned char* ring, unsigned
         span = PhaseSpan(c.phase[++p]);
     }
     const ChainPhase& ph = c.phase[p];
-    const int r_rows = ph.out == OUT_SILU ? 2 : 1, cols = ph.n / r_rows;
     const int c0 = span.first + s * ph.stage_cols, n = min(ph.stage_cols, span.last - c0);
-    const size_t row_bytes = (size_t)ph.k * 2;
     unsigned char* dst = ring + (size_t)(g % c.slots) * c.slot_bytes;
-    unsigned long long* bar = &full[g % c.slots];
-    mbar_expect_bytes(bar, (u32)(r_rows * n * row_bytes));
-    for (int r = 0; r < r_rows; r++)
-        bulk_copy(dst + r * ph.stage_cols * row_bytes, ph.w + ((size_t)r * cols + c0) * ph.k, (u32)(n * row_bytes), bar);
+    if (ph.out == OUT_SILU)
+        copy_stage_rows<2>(dst, &full[g % c.slots], ph.w, ph.n / 2, ph.k, c0, n, ph.stage_cols);
+    else
+        copy_stage_rows<1>(dst, &full[g % c.slots], ph.w, ph.n, ph.k, c0, n, ph.stage_cols);
 }
 
 template <int M>
