@@ -27,6 +27,21 @@ pub trait SteppedExecution {
     /// Beyond the seed: admit while other admitted requests still wait for their prefill; one `prefill_group`
     /// tick then computes the whole seated group (admission order) in one forward.
     fn admit_into_group(&mut self, intent: AdmissionIntent) -> Result<AdmissionResult>;
+    /// [`build_intent`](Self::build_intent) then [`admit`](Self::admit).
+    fn admit_request(&mut self, request: GenerationRequest, original_index: u32, request_id: RequestId) -> Result<AdmissionResult> {
+        let intent = self.build_intent(request, original_index, request_id)?;
+        self.admit(intent)
+    }
+    /// [`build_intent`](Self::build_intent) then [`admit_into_group`](Self::admit_into_group).
+    fn admit_request_into_group(
+        &mut self,
+        request: GenerationRequest,
+        original_index: u32,
+        request_id: RequestId,
+    ) -> Result<AdmissionResult> {
+        let intent = self.build_intent(request, original_index, request_id)?;
+        self.admit_into_group(intent)
+    }
     fn prefill_group(&mut self, group: &ImmutablePrefillGroup) -> Result<StepResult>;
     fn decode(&mut self, batch: &ImmutableDecodeBatch) -> Result<StepResult>;
     fn residents(&self) -> Result<Vec<ResidentRef>>;

@@ -6,7 +6,6 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 use stepllm_core::coordinator::{ModelInfo, RuntimeCoordinator};
 use stepllm_core::state::PoolCounts;
-use stepllm_core::step::{AdmissionIntent, AdmissionResult};
 use stepllm_core::stepped::{materialize, SteppedExecution, SteppedRequest};
 
 use crate::config::PyConfig;
@@ -181,23 +180,6 @@ pub struct PySteppedRequest {
 }
 
 impl PySteppedRequest {
-    /// build_intent, then `seat` (admit or admit_into_group) under one lock.
-    fn build_and_seat(
-        &self,
-        py: Python<'_>,
-        request: PyGenerationRequest,
-        original_index: u32,
-        request_id: u64,
-        seat: fn(&mut SteppedRequest, AdmissionIntent) -> stepllm_core::Result<AdmissionResult>,
-    ) -> PyResult<PyAdmissionResult> {
-        let result = compute(py, || {
-            let mut s = self.lock();
-            let intent = s.build_intent(request.0, original_index, request_id)?;
-            seat(&mut s, intent)
-        })?;
-        Ok(PyAdmissionResult(result))
-    }
-
     fn lock(&self) -> MutexGuard<'_, SteppedRequest> {
         self.inner.lock().unwrap_or_else(|p| p.into_inner())
     }
@@ -238,7 +220,7 @@ impl PySteppedRequest {
         original_index: u32,
         request_id: u64,
     ) -> PyResult<PyAdmissionResult> {
-        self.build_and_seat(py, request, original_index, request_id, SteppedRequest::admit)
+        Ok(PyAdmissionResult(compute(py, || self.lock().admit_request(request.0, original_index, request_id))?))
     }
 
     fn prefill(&self, py: Python<'_>, batch: PyImmutablePrefillBatch) -> PyResult<PyStepResult> {
@@ -258,7 +240,7 @@ impl PySteppedRequest {
         original_index: u32,
         request_id: u64,
     ) -> PyResult<PyAdmissionResult> {
-        self.build_and_seat(py, request, original_index, request_id, SteppedRequest::admit_into_group)
+        Ok(PyAdmissionResult(compute(py, || self.lock().admit_request_into_group(request.0, original_index, request_id))?))
     }
 
     fn prefill_group(&self, py: Python<'_>, group: PyImmutablePrefillGroup) -> PyResult<PyStepResult> {
