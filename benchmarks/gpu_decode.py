@@ -21,6 +21,8 @@ graph capture) and device memory. Checkpoints are random weights of real shapes 
 
 --max-prefill-tokens N  Config.max_prefill_tokens for stepllm's runs: the most prompt tokens prefilled together
               in one step (default 8192); 1 prefills one request per step, as before batched prefill.
+--kv-cache-dtype fp8  Config.kv_cache_dtype for stepllm's runs (default auto: bf16); the mixed workload's K/V-read
+              floor then counts one byte per value.
 
 Pass `--batches` and `--hf-batches` with no values to skip the default sweep and its transformers peer
 (e.g. `--batches --hf-batches --host-ticks`).
@@ -39,12 +41,13 @@ import gpu_models
 import stepllm
 
 
-def stepllm_run(path: Path, batches: list[int], prompt_len: int, new: int, max_prefill_tokens: int | None = None) -> dict:
+def stepllm_run(path: Path, batches: list[int], prompt_len: int, new: int, max_prefill_tokens: int | None = None,
+                kv_cache_dtype: str = "auto") -> dict:
     import torch
 
     t0 = time.perf_counter()
     cfg = stepllm.Config(model=str(path), device="cuda", max_batch_size=max(batches), kv_cache_tokens=max(batches) * (prompt_len + new + 16),
-                         max_prefill_tokens=max_prefill_tokens)
+                         max_prefill_tokens=max_prefill_tokens, kv_cache_dtype=kv_cache_dtype)
     coord = stepllm.RuntimeCoordinator(cfg)
     t_load = time.perf_counter() - t0
     t1 = time.perf_counter()
@@ -92,7 +95,7 @@ def hf_run(path: Path, batches: list[int], prompt_len: int, new: int) -> dict:
 
 
 def host_ticks_run(path: Path, batches: list[int], prompt_len: int, ticks: int, warmup: int = 10,
-                   device: str = "cuda") -> dict:
+                   device: str = "cuda", kv_cache_dtype: str = "auto") -> dict:
     """Per decode tick at each batch size: the runtime's StepExecution timing and the Python loop's wall time.
 
     One stepped session per batch size: the founder (begin_stepped + its first prefill tick), then b - 1
@@ -103,7 +106,7 @@ def host_ticks_run(path: Path, batches: list[int], prompt_len: int, ticks: int, 
     block = 16
     per_request = -(-(prompt_len + new) // block) * block + block
     cfg = stepllm.Config(model=str(path), device=device, max_batch_size=max(batches), block_size=block,
-                         kv_cache_tokens=max(batches) * per_request)
+                         kv_cache_tokens=max(batches) * per_request, kv_cache_dtype=kv_cache_dtype)
     coord = stepllm.RuntimeCoordinator(cfg)
     graphs = coord.capture_decoding_cuda_graph()
     vocab = coord.info()["vocab_size"]
@@ -181,19 +184,20 @@ def mixed_kv_tokens(work: list[tuple[list[int], int]], block: int) -> int:
 
 
 def mixed_run(path: Path, n: int, paths: list[str], lo: int = 100, hi: int = 1024, seed: int = 0,
-              device: str = "cuda", max_prefill_tokens: int | None = None) -> dict:
+              device: str = "cuda", max_prefill_tokens: int | None = None, kv_cache_dtype: str = "auto") -> dict:
     vocab = json.loads((path / "config.json").read_text())["vocab_size"]
     work = mixed_workload(vocab, n, lo, hi, seed)
     block = 16
     cfg = stepllm.Config(model=str(path), device=device, max_batch_size=n, block_size=block,
-                         kv_cache_tokens=mixed_kv_tokens(work, block), max_prefill_tokens=max_prefill_tokens)
+                         kv_cache_tokens=mixed_kv_tokens(work, block), max_prefill_tokens=max_prefill_tokens,
+                         kv_cache_dtype=kv_cache_dtype)
 
     def request(ids: list[int], out: int) -> stepllm.GenerationRequest:
         return stepllm.GenerationRequest(ids, stepllm.SamplingParams(max_tokens=out, temperature=0.0, ignore_eos=True))
 
     warm = request(list(range(2, 18)), 4)  # not a prefix of any request: no cache hit later
     res: dict = {"requests": n, "prompt_tokens": sum(len(p) for p, _ in work), "max_tokens": sum(o for _, o in work),
-                 "kv_read_bytes": decode_kv_read_bytes(work, path)}
+                 "kv_read_bytes": decode_kv_read_bytes(work, path, 1 if kv_cache_dtype == "fp8" else 2)}
     for kind in paths:
         graphs = False
         if kind == "engine":
@@ -231,12 +235,12 @@ def mixed_run(path: Path, n: int, paths: list[str], lo: int = 100, hi: int = 102
 H200_PEAK_BYTES_PER_S = 4.8e12
 
 
-def decode_kv_read_bytes(work: list[tuple[list[int], int]], path: Path) -> int:
+def decode_kv_read_bytes(work: list[tuple[list[int], int]], path: Path, bytes_per_value: int = 2) -> int:
     """Bytes of K and V that the workload's decode steps must read at the least: the token that follows a
-    context of c tokens reads all c of them (every layer, K and V, bf16), whatever the batching."""
+    context of c tokens reads all c of them (every layer, K and V, bytes_per_value each), whatever the batching."""
     cfg = json.loads((path / "config.json").read_text())
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    per_token = cfg["num_hidden_layers"] * 2 * cfg["num_key_value_heads"] * head_dim * 2
+    per_token = cfg["num_hidden_layers"] * 2 * cfg["num_key_value_heads"] * head_dim * bytes_per_value
     contexts = sum(len(p) * o + o * (o - 1) // 2 for p, o in work)
     return contexts * per_token
 
@@ -273,14 +277,16 @@ def main() -> None:
     ap.add_argument("--mixed-paths", nargs="+", choices=["engine", "dispatch"], default=["engine", "dispatch"])
     ap.add_argument("--max-prefill-tokens", type=int, default=None,
                     help="Config.max_prefill_tokens for stepllm's runs (1 prefills one request per step)")
+    ap.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto", help="Config.kv_cache_dtype for stepllm's runs")
     args = ap.parse_args()
+    print(f"stepllm kv_cache_dtype={args.kv_cache_dtype}", flush=True)
     rows = []
     tick_rows = []
     mixed_rows = []
     for shape in args.shapes:
         path = gpu_models.make(shape, Path(args.models))
         if args.batches:
-            ours = stepllm_run(path, args.batches, args.prompt, args.new, args.max_prefill_tokens)
+            ours = stepllm_run(path, args.batches, args.prompt, args.new, args.max_prefill_tokens, args.kv_cache_dtype)
             peer = hf_run(path, args.hf_batches, args.prompt, args.new) if args.hf_batches else {}
             print(f"{shape}: load {ours['load_s']:.2f} s, graph capture {ours['capture_s']:.2f} s (graphs={ours['graphs']}), "
                   f"device memory {ours['mem_gib']:.1f} GiB", flush=True)
@@ -289,12 +295,13 @@ def main() -> None:
                 rows.append((shape, b, ours[b]["ms_step"], ours[b]["tok_s"], hf["ms_step"] if hf else None, hf["tok_s"] if hf else None))
                 print(rows[-1], flush=True)
         if args.host_ticks:
-            ticks = host_ticks_run(path, args.host_batches, args.prompt, args.ticks)
+            ticks = host_ticks_run(path, args.host_batches, args.prompt, args.ticks, kv_cache_dtype=args.kv_cache_dtype)
             for b in args.host_batches:
                 tick_rows.append((shape, b, ticks[b]))
                 print(host_ticks_line(shape, b, ticks[b]), flush=True)
         if args.mixed:
-            mixed = mixed_run(path, args.mixed_requests, args.mixed_paths, max_prefill_tokens=args.max_prefill_tokens)
+            mixed = mixed_run(path, args.mixed_requests, args.mixed_paths, max_prefill_tokens=args.max_prefill_tokens,
+                              kv_cache_dtype=args.kv_cache_dtype)
             for kind in args.mixed_paths:
                 mixed_rows.append((shape, kind, mixed))
                 print(mixed_line(shape, kind, mixed), flush=True)

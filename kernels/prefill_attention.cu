@@ -5,12 +5,16 @@
 // accumulation (flash-attention's online softmax), so long prompts are bound by tensor-core throughput rather
 // than by re-reading K and V. Decode steps keep the paged kernel in attention.cu.
 //
+// An fp8 cache (kernels/kv_cache.cuh) is widened to bf16 on its way to shared memory, so the products are the same
+// bf16 mma.sync: its tiles go through registers (loaded for tile j + 1 before tile j computes, stored after)
+// instead of cp.async.
+//
 // Layouts of one warp's m16n8k16 operands (PTX ISA, "Matrix fragments for mma.m16n8k16"): lane = 4 * r + c,
 // A (16x16, row-major): {a0, a1, a2, a3} = rows (r, r + 8) x cols (2c, 2c + 1) then cols + 8;
 // B (16x8, k x n):      {b0, b1} = k (2c, 2c + 1) then k + 8, at column n = r;
 // C (16x8, f32):        {c0, c1} = row r, cols (2c, 2c + 1); {c2, c3} = row r + 8.
 // So the S accumulators of two neighbouring 8-position tiles are exactly the A operand (P) of the next product.
-#include "common.cuh"
+#include "kv_cache.cuh"
 
 #define PF_BQ 64       // query rows per block: 4 warps x 16
 #define PF_BK 32       // key positions per shared-memory tile
@@ -50,34 +54,82 @@ struct PrefillTiles {
     bf16 v[2][PF_BK][D + PF_PAD];
 };
 
-// K and V of positions [p0, p0 + PF_BK) of kv head g into stage `s`; positions from `end` on are zeros.
+// The 8-value pieces one thread copies of a K (or V) tile of PF_BK positions x D / 8 pieces.
+template <int D>
+struct TileVecs {
+    static constexpr int CHUNKS = D / 8;  // 8-value pieces of one position's head
+    static constexpr int PER_THREAD = PF_BK * CHUNKS / PF_THREADS;
+};
+
+// Where piece i of this thread's share of the tile at p0 sits: its row and column in the tile, and its element
+// offset in the cache (valid = false from `end` on).
+template <int D>
+__device__ __forceinline__ bool tile_piece(int i, int p0, int end, const u32* __restrict__ table, int block_size,
+                                           int num_kv_heads, int g, int& row, int& col, size_t& at) {
+    const int e = threadIdx.x + i * PF_THREADS;
+    row = e / TileVecs<D>::CHUNKS;
+    col = (e % TileVecs<D>::CHUNKS) * 8;
+    const int p = p0 + row;
+    if (p >= end) return false;
+    const u32 blk = __ldg(table + p / block_size);
+    at = (((size_t)blk * num_kv_heads + g) * block_size + p % block_size) * D + col;
+    return true;
+}
+
+// K and V of positions [p0, p0 + PF_BK) of kv head g from a bf16 cache into stage `s` (cp.async); positions from
+// `end` on are zeros.
 template <int D>
 __device__ __forceinline__ void load_kv_tile(PrefillTiles<D>& sm, int s, int p0, int end, const u32* __restrict__ table,
                                              const bf16* k_cache, const bf16* v_cache, int block_size, int num_kv_heads,
                                              int g) {
-    constexpr int CHUNKS = D / 8;  // 16-byte pieces of one position's head
 #pragma unroll
-    for (int i = 0; i < PF_BK * CHUNKS / PF_THREADS; i++) {
-        const int e = threadIdx.x + i * PF_THREADS;
-        const int row = e / CHUNKS, col = (e % CHUNKS) * 8;
-        const int p = p0 + row;
+    for (int i = 0; i < TileVecs<D>::PER_THREAD; i++) {
+        int row, col;
         size_t at = 0;
-        int bytes = 0;
-        if (p < end) {
-            const u32 blk = __ldg(table + p / block_size);
-            at = (((size_t)blk * num_kv_heads + g) * block_size + p % block_size) * D + col;
-            bytes = 16;
-        }
+        const int bytes = tile_piece<D>(i, p0, end, table, block_size, num_kv_heads, g, row, col, at) ? 16 : 0;
         cp_async16(&sm.k[s][row][col], k_cache + at, bytes);
         cp_async16(&sm.v[s][row][col], v_cache + at, bytes);
     }
 }
 
+// This thread's share of one fp8 K/V tile, held in registers between its load and its store to shared memory.
+template <int D>
+struct Fp8Tile {
+    uint2 k[TileVecs<D>::PER_THREAD], v[TileVecs<D>::PER_THREAD];
+};
+
+template <int D>
+__device__ __forceinline__ void fetch_kv_tile(Fp8Tile<D>& r, int p0, int end, const u32* __restrict__ table,
+                                              const fp8* k_cache, const fp8* v_cache, int block_size, int num_kv_heads,
+                                              int g) {
+#pragma unroll
+    for (int i = 0; i < TileVecs<D>::PER_THREAD; i++) {
+        int row, col;
+        size_t at;
+        const bool valid = tile_piece<D>(i, p0, end, table, block_size, num_kv_heads, g, row, col, at);
+        r.k[i] = valid ? __ldcg(reinterpret_cast<const uint2*>(k_cache + at)) : make_uint2(0, 0);
+        r.v[i] = valid ? __ldcg(reinterpret_cast<const uint2*>(v_cache + at)) : make_uint2(0, 0);
+    }
+}
+
+// The fetched tile, widened to bf16, into stage `s`.
+template <int D>
+__device__ __forceinline__ void stash_kv_tile(PrefillTiles<D>& sm, int s, const Fp8Tile<D>& r) {
+#pragma unroll
+    for (int i = 0; i < TileVecs<D>::PER_THREAD; i++) {
+        const int e = threadIdx.x + i * PF_THREADS;
+        const int row = e / TileVecs<D>::CHUNKS, col = (e % TileVecs<D>::CHUNKS) * 8;
+        *reinterpret_cast<uint4*>(&sm.k[s][row][col]) = kv_to_bf16x8(r.k[i]);
+        *reinterpret_cast<uint4*>(&sm.v[s][row][col]) = kv_to_bf16x8(r.v[i]);
+    }
+}
+
 // grid: (sequences, ceil(longest query length / PF_BQ), num_heads); block: PF_THREADS.
 // seq_info: 5 u32 per sequence (start, len, past_len, table_start, table_len); q in qkv is already rotated.
-template <int D>
+// KV: the cache's element type.
+template <int D, typename KV>
 __device__ void prefill_attention(const bf16* __restrict__ qkv, int width, const u32* __restrict__ seq_info,
-                                  const u32* __restrict__ block_tables, const bf16* k_cache, const bf16* v_cache,
+                                  const u32* __restrict__ block_tables, const KV* k_cache, const KV* v_cache,
                                   int block_size, int num_kv_heads, int group, float scale, bf16* __restrict__ out) {
     constexpr int KSTEPS = D / 16;  // k-steps of Q.K^T over the head dimension
     constexpr int NT = D / 8;       // 8-wide column tiles of the output
@@ -96,8 +148,15 @@ __device__ void prefill_attention(const bf16* __restrict__ qkv, int width, const
     const int end = past + min(q0 + PF_BQ, len);
     const int tiles = (end + PF_BK - 1) / PF_BK;
 
-    load_kv_tile<D>(sm, 0, 0, end, table, k_cache, v_cache, block_size, num_kv_heads, g);
-    cp_async_commit();
+    constexpr bool FP8 = std::is_same<KV, fp8>::value;
+    if constexpr (FP8) {
+        Fp8Tile<D> first;
+        fetch_kv_tile<D>(first, 0, end, table, k_cache, v_cache, block_size, num_kv_heads, g);
+        stash_kv_tile<D>(sm, 0, first);
+    } else {
+        load_kv_tile<D>(sm, 0, 0, end, table, k_cache, v_cache, block_size, num_kv_heads, g);
+        cp_async_commit();
+    }
 
     // This warp's 16 query rows: A fragments of Q for every k-step (rows past the sequence are zeros).
     const int i0 = q0 + warp * 16 + r, i1 = i0 + 8;  // query indices within the sequence
@@ -124,7 +183,11 @@ __device__ void prefill_attention(const bf16* __restrict__ qkv, int width, const
 
     for (int j = 0; j < tiles; j++) {
         const int s = j & 1;
-        if (j + 1 < tiles) {
+        const bool more = j + 1 < tiles;
+        Fp8Tile<D> next;  // FP8: the next tile, in flight while this one computes
+        if constexpr (FP8) {
+            if (more) fetch_kv_tile<D>(next, (j + 1) * PF_BK, end, table, k_cache, v_cache, block_size, num_kv_heads, g);
+        } else if (more) {
             load_kv_tile<D>(sm, s ^ 1, (j + 1) * PF_BK, end, table, k_cache, v_cache, block_size, num_kv_heads, g);
             cp_async_commit();
             cp_async_wait<1>();
@@ -210,6 +273,10 @@ __device__ void prefill_attention(const bf16* __restrict__ qkv, int width, const
                 mma_bf16(o[n + 1], a, b[2], b[3]);
             }
         }
+        // Stage s ^ 1 was last read in the previous iteration, which every warp has left.
+        if constexpr (FP8) {
+            if (more) stash_kv_tile<D>(sm, s ^ 1, next);
+        }
         __syncthreads();  // the next iteration's loads overwrite the stage just read
     }
 
@@ -228,14 +295,16 @@ __device__ void prefill_attention(const bf16* __restrict__ qkv, int width, const
     }
 }
 
-#define PREFILL_ATTENTION_KERNEL(D)                                                                             \
-    extern "C" __global__ void __launch_bounds__(PF_THREADS) prefill_attention_d##D(                           \
-        const bf16* qkv, int width, const u32* seq_info, const u32* block_tables, const bf16* k_cache,          \
-        const bf16* v_cache, int block_size, int num_kv_heads, int group, float scale, bf16* out) {             \
+#define PREFILL_ATTENTION_KERNEL(NAME, KV, D)                                                                   \
+    extern "C" __global__ void __launch_bounds__(PF_THREADS) NAME##_d##D(                                       \
+        const bf16* qkv, int width, const u32* seq_info, const u32* block_tables, const KV* k_cache,            \
+        const KV* v_cache, int block_size, int num_kv_heads, int group, float scale, bf16* out) {               \
         kernel_begin();                                                                                         \
-        prefill_attention<D>(qkv, width, seq_info, block_tables, k_cache, v_cache, block_size, num_kv_heads,    \
-                             group, scale, out);                                                                \
+        prefill_attention<D, KV>(qkv, width, seq_info, block_tables, k_cache, v_cache, block_size,              \
+                                 num_kv_heads, group, scale, out);                                              \
     }
 
-PREFILL_ATTENTION_KERNEL(64)
-PREFILL_ATTENTION_KERNEL(128)
+PREFILL_ATTENTION_KERNEL(prefill_attention, bf16, 64)
+PREFILL_ATTENTION_KERNEL(prefill_attention, bf16, 128)
+PREFILL_ATTENTION_KERNEL(prefill_attention_fp8, fp8, 64)
+PREFILL_ATTENTION_KERNEL(prefill_attention_fp8, fp8, 128)

@@ -1,5 +1,6 @@
 // Per-head q/k RMSNorm (Qwen3), RoPE in place on fused [q | k | v] rows, and the write of K and V into the
 // paged cache, for every token of a batch (prefill; decode rotates inside the attention, kernels/attention.cu).
+#include "kv_cache.cuh"
 #include "rope.cuh"
 
 // One warp per head, ROPE_WARPS heads per block: the per-head norm is a warp reduction (no block barrier), and
@@ -7,12 +8,13 @@
 #define ROPE_WARPS 4
 
 // grid: (tokens, ceil((num_heads + 2 * num_kv_heads) / ROPE_WARPS)); block: 32 * ROPE_WARPS. head_dim even,
-// <= 256, and a multiple of 8 (V heads are copied 16 bytes per lane).
-extern "C" __global__ void __launch_bounds__(32 * ROPE_WARPS)
-    rope_write_kv(bf16* __restrict__ qkv, int width, const float* __restrict__ q_norm,
-                  const float* __restrict__ k_norm, int has_norm, float eps, const u32* __restrict__ positions,
-                  const u32* __restrict__ slots, bf16* __restrict__ k_cache, bf16* __restrict__ v_cache,
-                  int num_heads, int num_kv_heads, int head_dim, float theta, int block_size) {
+// <= 256, and a multiple of 8 (V heads are copied 8 values per lane). KV: the cache's element type.
+template <typename KV>
+__device__ void rope_write_kv(bf16* __restrict__ qkv, int width, const float* __restrict__ q_norm,
+                              const float* __restrict__ k_norm, int has_norm, float eps, const u32* __restrict__ positions,
+                              const u32* __restrict__ slots, KV* __restrict__ k_cache, KV* __restrict__ v_cache,
+                              int num_heads, int num_kv_heads, int head_dim, float theta, int block_size) {
+    using Vec = typename KvVec<KV>::type;
     const int t = blockIdx.x, lane = threadIdx.x & 31;
     const int h = blockIdx.y * ROPE_WARPS + (threadIdx.x >> 5);
     // Batch metadata may be read before the wait (common.cuh says why).
@@ -25,14 +27,27 @@ extern "C" __global__ void __launch_bounds__(32 * ROPE_WARPS)
     const size_t cache_at = cache_offset(slot, kv_head, num_kv_heads, block_size, head_dim);
     bf16* head = qkv + (size_t)t * width + (size_t)h * head_dim;
     if (is_v) {
-        uint4* dst = reinterpret_cast<uint4*>(v_cache + cache_at);
-        for (int i = lane; i < head_dim / 8; i += 32) dst[i] = __ldcg(reinterpret_cast<const uint4*>(head) + i);
+        Vec* dst = reinterpret_cast<Vec*>(v_cache + cache_at);
+        for (int i = lane; i < head_dim / 8; i += 32) dst[i] = kv_pack8<KV>(__ldcg(reinterpret_cast<const uint4*>(head) + i));
         return;
     }
     const float* norm_w = has_norm ? (is_q ? q_norm : k_norm) : nullptr;
-    bf16* kdst = k_cache + cache_at;  // only written for K heads
+    KV* kdst = k_cache + cache_at;  // only written for K heads
     rope_head(head, norm_w, eps, pos, theta, head_dim, lane, [&](int i, bf16 v) {
         head[i] = v;
-        if (!is_q) kdst[i] = v;
+        if (!is_q) kdst[i] = kv_from_bf16<KV>(v);
     });
 }
+
+#define ROPE_KERNEL(NAME, KV)                                                                                      \
+    extern "C" __global__ void __launch_bounds__(32 * ROPE_WARPS)                                                  \
+        NAME(bf16* __restrict__ qkv, int width, const float* __restrict__ q_norm,                                  \
+             const float* __restrict__ k_norm, int has_norm, float eps, const u32* __restrict__ positions,         \
+             const u32* __restrict__ slots, KV* __restrict__ k_cache, KV* __restrict__ v_cache, int num_heads,     \
+             int num_kv_heads, int head_dim, float theta, int block_size) {                                        \
+        rope_write_kv<KV>(qkv, width, q_norm, k_norm, has_norm, eps, positions, slots, k_cache, v_cache,          \
+                          num_heads, num_kv_heads, head_dim, theta, block_size);                                   \
+    }
+
+ROPE_KERNEL(rope_write_kv_bf16, bf16)
+ROPE_KERNEL(rope_write_kv_fp8, fp8)

@@ -111,6 +111,24 @@ def test_config_fields_and_defaults() -> None:
         stepllm.Config(max_prefill_tokens=0)
 
 
+def test_kv_cache_dtype_is_validated() -> None:
+    assert stepllm.Config().kv_cache_dtype == "auto"
+    assert stepllm.Config(device="cpu", kv_cache_dtype="auto").kv_cache_dtype == "auto"
+    assert "kv_cache_dtype='auto'" in repr(stepllm.Config())
+    with pytest.raises(stepllm.InvalidRequestError, match=r"unknown kv_cache_dtype \"int4\"; use \"auto\" or \"fp8\""):
+        stepllm.Config(kv_cache_dtype="int4")
+    # The CPU keeps its cache in f32: an fp8 cache is refused when the config is built, not at load time.
+    with pytest.raises(stepllm.InvalidRequestError, match=r"kv_cache_dtype=\"fp8\" needs the CUDA backend"):
+        stepllm.Config(device="cpu", kv_cache_dtype="fp8")
+    try:
+        stepllm.Config(device="cuda")
+    except stepllm.StepllmError:  # no GPU here: "auto" is the CPU
+        with pytest.raises(stepllm.InvalidRequestError, match="needs the CUDA backend"):
+            stepllm.Config(device="auto", kv_cache_dtype="fp8_e4m3")
+    else:
+        assert stepllm.Config(device="auto", kv_cache_dtype="fp8_e4m3").kv_cache_dtype == "fp8"
+
+
 def test_default_model_missing_says_how_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
     import importlib.util
 
@@ -142,7 +160,7 @@ def test_coordinator_queries(model_name: str) -> None:
     info = coord.info()
     assert info["architecture"].lower().startswith(model_name) and info["vocab_size"] == 400
     assert info["max_batch_size"] == 4 and info["kv_cache_tokens"] == 4096 and info["source"] == model_dir(model_name)
-    assert info["max_prefill_tokens"] == 8192
+    assert info["max_prefill_tokens"] == 8192 and info["kv_cache_dtype"] == "auto"
     counts = coord.counts()
     assert counts == {"slot_capacity": 4, "free_slots": 4, "live_slots": 0, "total_blocks": 256, "free_blocks": 256,
                       "leased_blocks": 0, "cached_blocks": 0, "pinned_blocks": 0}

@@ -22,6 +22,7 @@ def test_kv_read_floor_counts_every_context_a_decode_step_reads() -> None:
     # the k-th generated token (k = 0..out-1) follows a context of prompt + k tokens
     direct = sum(len(p) + k for p, out in work for k in range(out)) * per_token
     assert gpu_decode.decode_kv_read_bytes(work, path) == direct
+    assert gpu_decode.decode_kv_read_bytes(work, path, bytes_per_value=1) * 2 == direct  # an fp8 cache
 
 
 def test_host_ticks_run_keeps_every_row_for_every_tick_on_cpu() -> None:

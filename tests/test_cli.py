@@ -139,6 +139,7 @@ def test_info_describes_the_model() -> None:
     assert fields["architecture"] == "Qwen3ForCausalLM"
     assert fields["kv_cache_tokens"] == "512" and fields["max_prefill_tokens"] == "300"
     assert "cpu" in fields["device"] and "f32" in fields["device"]
+    assert fields["kv_cache_dtype"] == "auto"
     assert int(fields["parameters"]) > 0
 
 
@@ -146,6 +147,13 @@ def test_missing_model_is_a_clear_error() -> None:
     out = stepllm_cli("generate", "hi", "--model", "/nonexistent/model", "--device", "cpu")
     assert out.returncode == 1
     assert "does not exist" in out.stderr
+    assert out.stdout == ""
+
+
+def test_fp8_kv_cache_on_the_cpu_is_a_clear_error() -> None:
+    out = stepllm_cli("info", "--model", model_dir("qwen3"), "--device", "cpu", "--kv-cache-dtype", "fp8")
+    assert out.returncode == 1
+    assert 'kv_cache_dtype="fp8" needs the CUDA backend' in out.stderr
     assert out.stdout == ""
 
 

@@ -4,7 +4,8 @@ Random-weight checkpoints of real shapes are made once per session (benchmarks/g
 $STEPLLM_GPU_MODELS or a temporary folder. Checks: next-token log-probabilities against transformers in bf16
 on the same GPU; GPU against our CPU backend; greedy agreement; CUDA-graph decode equals eager decode;
 sampling options on the GPU; the stepped API on the GPU (admission mid-stream, prefix-cache hit vs miss, cancel
-and abort releasing everything).
+and abort releasing everything); the fp8 KV cache against transformers with a cache that rounds K and V to fp8,
+its memory, and its prefix-cache hits.
 
 Tolerances scale with the logits' magnitude. The checkpoints' embeddings are scaled up (gpu_models.EMBED_SCALE),
 so logits reach ~100-300 on llama1b, where one bf16 ulp is 0.5-2.0: a fixed absolute tolerance is either too
@@ -16,6 +17,7 @@ and changes the argmax at positions whose top-2 gap is wide, so these checks sti
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import sys
@@ -334,4 +336,91 @@ def test_gpu_cancel_and_abort_release_everything(models_dir: Path) -> None:
     assert_released(coord)
     again = run_alone(coord, stepllm.GenerationRequest(PROMPT, greedy(8)))
     assert len(again.output_ids) == 8
+    assert_released(coord)
+
+
+def fp8_rounded_cache():
+    """transformers' cache with every K and V rounded to fp8 e4m3 as it is stored, as stepllm's fp8 cache stores
+    them (round to nearest, no scale): the reference for Config(kv_cache_dtype="fp8"). Attention then reads the
+    rounded values for every position, the newest one included, as our kernels do."""
+    import transformers
+
+    class Fp8RoundedCache(transformers.DynamicCache):
+        def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+            def rounded(x):
+                return x.to(torch.float8_e4m3fn).to(x.dtype)
+
+            return super().update(rounded(key_states), rounded(value_states), layer_idx, *args, **kwargs)
+
+    return Fp8RoundedCache()
+
+
+@pytest.mark.parametrize("name", ["qwen3", "smollm2"])
+def test_fp8_kv_cache_matches_transformers_with_fp8_rounded_cache(name: str, models_dir: Path) -> None:
+    """Config(kv_cache_dtype="fp8") against transformers whose cache rounds K and V to fp8: greedy ids under the
+    near-tie rule and the first token's log-probabilities within the bf16 tolerances. The prompts take every fp8
+    path: a 9-token prompt the paged prefill attention, 40 and 150 tokens the tiled one, and the decode steps the
+    rotating decode attention from CUDA graphs (a batch of 3 replays the 4-row graph with a dummy row). The same
+    run with a bf16 cache must differ somewhere, or the fp8 path was not taken."""
+    path = gpu_models.make(name, models_dir)
+    long = [(11 * i + 5) % 397 + 2 for i in range(150)]
+    prompts = [PROMPT[:9], PROMPT, long]
+    reqs = [stepllm.GenerationRequest(p, greedy(12, logprobs=10)) for p in prompts]
+    coord = coordinator(path, "cuda", graphs=True, kv_cache_dtype="fp8")
+    assert coord.info()["kv_cache_dtype"] == "fp8"
+    got = coord.dispatch_request(reqs)
+    del coord
+    bf16 = coordinator(path, "cuda", graphs=True).dispatch_request(reqs)
+    model = hf_model(path)
+    for p, out in zip(prompts, got):
+        with torch.no_grad():
+            ids = torch.tensor([p], device="cuda")
+            ref = model.generate(ids, max_new_tokens=12, do_sample=False, past_key_values=fp8_rounded_cache())[0, len(p):].tolist()
+            forced = model(torch.tensor([p + ref], device="cuda"), past_key_values=fp8_rounded_cache(), use_cache=True)
+        rows = forced.logits[0].float().cpu()[len(p) - 1 : len(p) - 1 + len(ref)]
+        assert_greedy_agrees(out.output_ids, ref, top2(rows), (name, len(p)))
+        expected = torch.log_softmax(rows[0], -1)
+        for tok, value in out.logprobs[0].top[:10]:
+            want = expected[tok].item()
+            tol = logprob_tol(rows[0], tok) + 0.03 * abs(want)
+            assert abs(value - want) < tol, (name, len(p), tok, value, want, tol)
+    del model
+    torch.cuda.empty_cache()
+    assert any(g.logprobs[0].top != b.logprobs[0].top for g, b in zip(got, bf16)), "fp8 and bf16 caches gave identical logprobs"
+
+
+def test_fp8_kv_cache_takes_half_the_memory(models_dir: Path) -> None:
+    """An fp8 cache stores one byte per value: the same kv_cache_tokens take half the device memory of bf16."""
+    import gc
+
+    path = gpu_models.make("qwen3", models_dir)
+    cfg = json.loads((path / "config.json").read_text())
+    tokens = 32768
+
+    def used(kv_cache_dtype: str) -> int:
+        gc.collect()
+        free_before, _ = torch.cuda.mem_get_info()
+        coord = stepllm.RuntimeCoordinator(
+            stepllm.Config(model=str(path), device="cuda", kv_cache_tokens=tokens, kv_cache_dtype=kv_cache_dtype)
+        )
+        free_after, _ = torch.cuda.mem_get_info()
+        del coord
+        gc.collect()
+        return free_before - free_after
+
+    saved = used("auto") - used("fp8")
+    # one byte saved per value: K and V of every layer, KV head and head dimension, for each token
+    expected = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * cfg["head_dim"] * tokens
+    assert abs(saved - expected) < 0.05 * expected, (saved, expected)
+
+
+def test_fp8_prefix_cache_hit_equals_miss(models_dir: Path) -> None:
+    """A hit's tail attends over cached fp8 blocks (the paged kernel over a cached prefix): same output as a miss."""
+    path = gpu_models.make("smollm2", models_dir)
+    coord = coordinator(path, "cuda", graphs=True, kv_cache_dtype="fp8")
+    request = stepllm.GenerationRequest(PROMPT, greedy(12))
+    miss = run_alone(coord, request)
+    hit = run_alone(coord, request)
+    assert hit.cached_prompt_tokens == 32, hit.cached_prompt_tokens
+    assert hit.output_ids == miss.output_ids
     assert_released(coord)

@@ -423,7 +423,9 @@ class Config:
     STEPLLM_ALLOW_LONG_MAX_MODEL_LEN=1], context_cache [ContextCacheConfig()], parallel [ParallelConfig()], dtype [the device's: "f32" on the CPU,
     "bf16" on CUDA], max_prefill_tokens [8192: the most prompt tokens the engine and dispatch_request prefill
     together in one step; a longer prompt is prefilled alone]. dtype is how weight matrices are kept: "f32" (exact), "bf16" (half the memory traffic)
-    or "int8" (per-row scales, a quarter; CPU only); the CPU computes in f32 whatever it is. model None means
+    or "int8" (per-row scales, a quarter; CPU only); the CPU computes in f32 whatever it is. kv_cache_dtype ["auto":
+    bf16 on CUDA, f32 on the CPU] is how the KV cache stores K and V: "fp8" (e4m3, unscaled, CUDA only) halves its
+    memory and the bytes every decode step reads, at 3 mantissa bits of precision. model None means
     the default model (stepllm.models.default_model_path(), resolved when a runtime is built from this config)."""
     def __new__(
         cls,
@@ -437,6 +439,7 @@ class Config:
         parallel: ParallelConfig | None = None,
         dtype: Literal["f32", "bf16", "int8", "auto"] | None = None,
         max_prefill_tokens: int | None = None,
+        kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3"] | None = None,
     ) -> Config: ...
     @property
     def model(self) -> str | None: ...
@@ -458,6 +461,8 @@ class Config:
     def parallel(self) -> ParallelConfig: ...
     @property
     def dtype(self) -> Literal["f32", "bf16", "int8"] | None: ...
+    @property
+    def kv_cache_dtype(self) -> Literal["auto", "fp8"]: ...
     def __eq__(self, other: object, /) -> bool: ...
     def __hash__(self) -> int: ...
 
@@ -482,6 +487,7 @@ class ModelInfo(TypedDict):
     block_size: int
     max_batch_size: int
     max_prefill_tokens: int
+    kv_cache_dtype: Literal["auto", "fp8"]
     eos_token_ids: list[int]
 
 class EngineStats(TypedDict):

@@ -94,6 +94,13 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         help="how weights are kept: f32 (exact), bf16 or int8 (faster on the CPU, approximate); "
         "default: the device's (f32 on the CPU, bf16 on CUDA)",
     )
+    p.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=["auto", "fp8"],
+        help="how the KV cache stores K and V: auto (bf16 on CUDA, f32 on the CPU) or fp8 (e4m3, CUDA only: "
+        "half the memory and decode-step reads, approximate)",
+    )
 
 
 def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int = 256, temperature: float = 0.0) -> None:
@@ -119,6 +126,7 @@ def open_engine(args: argparse.Namespace, max_batch_size: int | None = None) -> 
         kv_cache_tokens=args.kv_cache_tokens,
         dtype=args.dtype,
         max_prefill_tokens=args.max_prefill_tokens,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     started = time.perf_counter()
     engine = Engine(config, progress=ProgressBar(f"loading {Path(model).name}"))

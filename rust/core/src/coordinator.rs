@@ -4,6 +4,7 @@ use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
+use crate::backend::KvCacheDtype;
 use crate::error::{invalid, protocol, Result};
 use crate::ids::RequestId;
 use crate::intent::IntentBuilder;
@@ -50,6 +51,8 @@ pub struct Config {
     pub parallel: ParallelConfig,
     /// How weights are kept: None is the device's default (f32 on the CPU, bf16 on CUDA).
     pub dtype: Option<WeightDtype>,
+    /// How the KV cache stores K and V (fp8 on CUDA only).
+    pub kv_cache_dtype: KvCacheDtype,
 }
 
 impl Config {
@@ -65,6 +68,7 @@ impl Config {
             context_cache: ContextCacheConfig::default(),
             parallel: ParallelConfig::default(),
             dtype: None,
+            kv_cache_dtype: KvCacheDtype::Auto,
         }
     }
 
@@ -97,7 +101,15 @@ impl Config {
         if seen.len() != self.parallel.devices.len() {
             return invalid("parallel.devices lists a device twice; each rank needs its own");
         }
-        if matches!(parse_device(&self.device)?, Device::Cuda(_)) && !cuda_available() {
+        let device = parse_device(&self.device)?;
+        if self.kv_cache_dtype == KvCacheDtype::Fp8 && device == Device::Cpu {
+            return invalid(format!(
+                "kv_cache_dtype=\"fp8\" needs the CUDA backend, but device {:?} is the CPU here (the CPU keeps its KV \
+                 cache in f32); use kv_cache_dtype=\"auto\" or a CUDA device",
+                self.device
+            ));
+        }
+        if matches!(device, Device::Cuda(_)) && !cuda_available() {
             return Err(crate::Error::Device(format!(
                 "device {:?} needs a CUDA GPU, but none is usable here (no driver or GPU, or stepllm was built \
                  without CUDA kernels); use device=\"cpu\" or \"auto\"",
@@ -139,6 +151,8 @@ pub struct ModelInfo {
     pub block_size: usize,
     pub max_batch_size: usize,
     pub max_prefill_tokens: usize,
+    /// "auto" or "fp8" (Config::kv_cache_dtype).
+    pub kv_cache_dtype: String,
     pub eos_token_ids: Vec<u32>,
 }
 
@@ -208,6 +222,7 @@ impl RuntimeCoordinator {
             block_size: config.block_size,
             max_model_len,
             cache: config.context_cache.clone(),
+            kv_cache_dtype: config.kv_cache_dtype,
         };
         let info = ModelInfo {
             source,
@@ -220,6 +235,7 @@ impl RuntimeCoordinator {
             block_size: config.block_size,
             max_batch_size: config.max_batch_size,
             max_prefill_tokens: config.max_prefill_tokens,
+            kv_cache_dtype: config.kv_cache_dtype.name().to_string(),
             eos_token_ids: model_config.eos_token_ids.clone(),
         };
         let intents = IntentBuilder {

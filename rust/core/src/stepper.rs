@@ -5,6 +5,7 @@ use std::time::Instant;
 
 use crate::error::{protocol, Error, Result};
 use crate::ids::{ResidentRef, SequenceIdentity, StepId};
+use crate::backend::KvCacheDtype;
 use crate::model::{ForwardBatch, ModelRunner, SeqSlice, StepTiming};
 use crate::request::FinishReason;
 use crate::sampling::{resolve_seed, RowContext, Sampled};
@@ -27,6 +28,7 @@ pub struct StepperConfig {
     pub block_size: usize,
     pub max_model_len: usize,
     pub cache: ContextCacheConfig,
+    pub kv_cache_dtype: KvCacheDtype,
 }
 
 pub struct RuntimeStepper {
@@ -49,7 +51,7 @@ pub struct RuntimeStepper {
 
 impl RuntimeStepper {
     pub fn new(mut runner: Box<dyn ModelRunner>, tokenizer: Arc<Tokenizer>, eos_ids: Vec<u32>, config: StepperConfig) -> Result<Self> {
-        runner.allocate_kv_cache(config.num_blocks, config.block_size)?;
+        runner.allocate_kv_cache(config.num_blocks, config.block_size, config.kv_cache_dtype)?;
         Ok(Self {
             runner,
             tokenizer,

@@ -15,6 +15,7 @@ mod common;
 use std::path::{Path, PathBuf};
 
 use serde_json::Value;
+use stepllm_core::backend::KvCacheDtype;
 use stepllm_core::coordinator::{Config, RuntimeCoordinator};
 use stepllm_core::model::llama::build_runner_with;
 use stepllm_core::model::loader::{load_hf_config, HostTensor, SafetensorsSource, WeightSource};
@@ -84,7 +85,7 @@ fn compare(name: &str, dtype: WeightDtype, tolerance: f32) -> Worst {
 /// Logits of every position of `fed`: the first `prompt_len` tokens in one step, then one token per step.
 fn prefill_then_decode(runner: &mut dyn ModelRunner, fed: &[u32], prompt_len: usize) -> Vec<f32> {
     let blocks = fed.len().div_ceil(BLOCK_SIZE);
-    runner.allocate_kv_cache(blocks + 1, BLOCK_SIZE).unwrap();
+    runner.allocate_kv_cache(blocks + 1, BLOCK_SIZE, KvCacheDtype::Auto).unwrap();
     let table: Vec<u32> = (0..blocks as u32).rev().collect(); // non-contiguous, out of order
     let mut logits = Vec::new();
     let mut past = 0;
@@ -245,4 +246,30 @@ fn dtype_names_parse() {
         assert_eq!(WeightDtype::parse(dtype.name()).unwrap(), dtype);
     }
     assert!(matches!(WeightDtype::parse("fp8"), Err(Error::InvalidRequest(_))));
+}
+
+#[test]
+fn kv_cache_dtype_names_parse() {
+    for dtype in [KvCacheDtype::Auto, KvCacheDtype::Fp8] {
+        assert_eq!(KvCacheDtype::parse(dtype.name()).unwrap(), dtype);
+    }
+    assert_eq!(KvCacheDtype::parse("fp8_e4m3").unwrap(), KvCacheDtype::Fp8);
+    assert!(matches!(KvCacheDtype::parse("bf16"), Err(Error::InvalidRequest(_))));
+}
+
+/// The CPU keeps its KV cache in f32: an fp8 cache is refused by the config for a CPU device, and by the CPU
+/// runner itself if a runner is asked directly.
+#[test]
+fn cpu_refuses_an_fp8_kv_cache() {
+    let mut config = Config::new(fixture_dir("llama").to_string_lossy());
+    config.device = "cpu".into();
+    config.kv_cache_dtype = KvCacheDtype::Fp8;
+    let err = config.validate().err().expect("refused");
+    assert!(matches!(err, Error::InvalidRequest(_)) && err.to_string().contains("needs the CUDA backend"), "{err}");
+
+    let dir = fixture_dir("llama");
+    let mut runner = build_runner_with(&load_hf_config(&dir).unwrap(), &SafetensorsSource::open(&dir).unwrap(), Device::Cpu, None).unwrap();
+    let err = runner.allocate_kv_cache(4, BLOCK_SIZE, KvCacheDtype::Fp8).err().expect("refused");
+    assert!(err.to_string().contains("CPU backend keeps its KV cache in f32"), "{err}");
+    runner.allocate_kv_cache(4, BLOCK_SIZE, KvCacheDtype::Auto).unwrap();
 }

@@ -7,6 +7,7 @@
 use std::path::{Path, PathBuf};
 
 use serde_json::Value;
+use stepllm_core::backend::KvCacheDtype;
 use stepllm_core::model::llama::build_runner;
 use stepllm_core::model::loader::{load_hf_config, SafetensorsSource, WeightSource};
 use stepllm_core::model::{Device, ForwardBatch, ModelRunner, SeqSlice};
@@ -71,7 +72,7 @@ type MakeSchedule = fn(&Fixture) -> Schedule;
 /// A step feeds `(case, token count)` pairs, all in one ForwardBatch; returns every case's logits, one row
 /// per fed token, in sequence order.
 fn run_schedule(fx: &mut Fixture, steps: &Schedule) -> Vec<Vec<f32>> {
-    fx.runner.allocate_kv_cache(NUM_BLOCKS, BLOCK_SIZE).unwrap();
+    fx.runner.allocate_kv_cache(NUM_BLOCKS, BLOCK_SIZE, KvCacheDtype::Auto).unwrap();
     let mut fed_so_far = vec![0usize; fx.cases.len()];
     let mut logits = vec![Vec::new(); fx.cases.len()];
     for step in steps {
@@ -238,6 +239,6 @@ fn forward_before_kv_cache_is_a_protocol_error() {
         logits_for: vec![0],
     };
     assert!(matches!(runner.forward(&batch), Err(Error::Protocol(_))));
-    runner.allocate_kv_cache(2, 4).unwrap();
+    runner.allocate_kv_cache(2, 4, KvCacheDtype::Auto).unwrap();
     assert_eq!(runner.forward(&batch).unwrap().len(), config.vocab_size);
 }

@@ -11,6 +11,7 @@
 
 use std::time::Instant;
 
+use stepllm_core::backend::KvCacheDtype;
 use stepllm_core::model::llama::build_runner_with;
 use stepllm_core::model::loader::{HostTensor, WeightSource};
 use stepllm_core::model::{Architecture, Device, ForwardBatch, ModelConfig, ModelRunner, SeqSlice, WeightDtype};
@@ -112,7 +113,7 @@ impl Sequences {
 
 fn time_decode(runner: &mut dyn ModelRunner, batch: usize, prompt: usize) {
     let per_seq = (prompt + DECODE_STEPS).div_ceil(BLOCK_SIZE);
-    runner.allocate_kv_cache(batch * per_seq, BLOCK_SIZE).unwrap();
+    runner.allocate_kv_cache(batch * per_seq, BLOCK_SIZE, KvCacheDtype::Auto).unwrap();
     let mut seqs = Sequences { batch, prompt, fed: vec![0; batch] };
     let started = Instant::now();
     seqs.step(runner, prompt);

@@ -26,7 +26,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use stepllm_core::backend::cuda::backend::MetaLayout;
-use stepllm_core::backend::BatchPlan;
+use stepllm_core::backend::{BatchPlan, KvCacheDtype};
 use stepllm_core::model::loader::gguf::GgufModel;
 use stepllm_core::model::{ForwardBatch, ModelConfig, ModelRunner, SeqSlice};
 use stepllm_core::request::{GenerationRequest, Prompt, SamplingParams};
@@ -55,7 +55,7 @@ impl ModelRunner for NullRunner {
     fn config(&self) -> &ModelConfig {
         &self.config
     }
-    fn allocate_kv_cache(&mut self, _num_blocks: usize, _block_size: usize) -> stepllm_core::error::Result<()> {
+    fn allocate_kv_cache(&mut self, _num_blocks: usize, _block_size: usize, _dtype: KvCacheDtype) -> stepllm_core::error::Result<()> {
         Ok(())
     }
     fn forward(&mut self, batch: &ForwardBatch) -> stepllm_core::error::Result<Vec<f32>> {
@@ -107,6 +107,7 @@ fn stepper(tok: &Arc<Tokenizer>, script: &Arc<Vec<u32>>, s: &Setup) -> RuntimeSt
         block_size: BLOCK_SIZE,
         max_model_len: 1 << 20,
         cache: ContextCacheConfig { commit: s.commit, ..ContextCacheConfig::default() },
+        kv_cache_dtype: KvCacheDtype::Auto,
     };
     let runner = NullRunner { config, script: Arc::clone(script) };
     RuntimeStepper::new(Box::new(runner), Arc::clone(tok), vec![EOS], cfg).unwrap()

@@ -7,6 +7,7 @@ mod common;
 use std::time::Duration;
 
 use common::*;
+use stepllm_core::backend::KvCacheDtype;
 use stepllm_core::coordinator::RuntimeCoordinator;
 use stepllm_core::model::{load_model, Device, ForwardBatch, LoadedModel, ModelConfig, ModelRunner, StepTiming};
 use stepllm_core::sampling::{RowContext, Sampled};
@@ -55,8 +56,8 @@ impl ModelRunner for PretendDevice {
     fn config(&self) -> &ModelConfig {
         self.inner.config()
     }
-    fn allocate_kv_cache(&mut self, num_blocks: usize, block_size: usize) -> stepllm_core::error::Result<()> {
-        self.inner.allocate_kv_cache(num_blocks, block_size)
+    fn allocate_kv_cache(&mut self, num_blocks: usize, block_size: usize, dtype: KvCacheDtype) -> stepllm_core::error::Result<()> {
+        self.inner.allocate_kv_cache(num_blocks, block_size, dtype)
     }
     fn forward(&mut self, batch: &ForwardBatch) -> stepllm_core::error::Result<Vec<f32>> {
         self.time(batch);
@@ -142,8 +143,8 @@ impl ModelRunner for Overclaims {
     fn config(&self) -> &ModelConfig {
         self.0.config()
     }
-    fn allocate_kv_cache(&mut self, num_blocks: usize, block_size: usize) -> stepllm_core::error::Result<()> {
-        self.0.allocate_kv_cache(num_blocks, block_size)
+    fn allocate_kv_cache(&mut self, num_blocks: usize, block_size: usize, dtype: KvCacheDtype) -> stepllm_core::error::Result<()> {
+        self.0.allocate_kv_cache(num_blocks, block_size, dtype)
     }
     fn forward(&mut self, batch: &ForwardBatch) -> stepllm_core::error::Result<Vec<f32>> {
         self.0.forward(batch)

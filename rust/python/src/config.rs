@@ -5,6 +5,7 @@
 use std::path::PathBuf;
 
 use pyo3::prelude::*;
+use stepllm_core::backend::KvCacheDtype;
 use stepllm_core::coordinator::{Config, ParallelConfig};
 use stepllm_core::model::WeightDtype;
 use stepllm_core::state::context_cache::{CommitPolicy, ContextCacheConfig, LookupPolicy};
@@ -192,7 +193,8 @@ impl PyConfig {
     /// Unset values take the core's defaults; validated on construction (InvalidRequestError).
     #[new]
     #[pyo3(signature = (model=None, device=None, max_batch_size=None, kv_cache_tokens=None, block_size=None,
-        max_model_len=None, context_cache=None, parallel=None, dtype=None, max_prefill_tokens=None))]
+        max_model_len=None, context_cache=None, parallel=None, dtype=None, max_prefill_tokens=None,
+        kv_cache_dtype=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -206,6 +208,7 @@ impl PyConfig {
         parallel: Option<PyParallelConfig>,
         dtype: Option<&str>,
         max_prefill_tokens: Option<usize>,
+        kv_cache_dtype: Option<&str>,
     ) -> PyResult<Self> {
         let mut c = Self::default_config();
         c.model = model.map(|m| m.to_string_lossy().into_owned());
@@ -235,6 +238,9 @@ impl PyConfig {
             None | Some("auto") => None,
             Some(name) => Some(WeightDtype::parse(name).map_err(|e| to_py(py, e))?),
         };
+        if let Some(name) = kv_cache_dtype {
+            c.inner.kv_cache_dtype = KvCacheDtype::parse(name).map_err(|e| to_py(py, e))?;
+        }
         c.inner.validate().map_err(|e| to_py(py, e))?;
         Ok(c)
     }
@@ -279,6 +285,11 @@ impl PyConfig {
     fn dtype(&self) -> Option<&'static str> {
         self.inner.dtype.map(WeightDtype::name)
     }
+    /// "auto" (bf16 on CUDA, f32 on the CPU) or "fp8" (e4m3, CUDA only).
+    #[getter]
+    fn kv_cache_dtype(&self) -> &'static str {
+        self.inner.kv_cache_dtype.name()
+    }
     fn __hash__(&self) -> u64 {
         crate::hashing::py_hash(&(self.model.clone(), self.inner.clone()))
     }
@@ -287,7 +298,7 @@ impl PyConfig {
             "max_batch_size" => self.inner.max_batch_size, "kv_cache_tokens" => self.inner.kv_cache_tokens,
             "block_size" => self.inner.block_size, "max_model_len" => self.inner.max_model_len,
             "context_cache" => self.context_cache(), "parallel" => self.parallel(), "dtype" => self.dtype(),
-            "max_prefill_tokens" => self.inner.max_prefill_tokens)
+            "max_prefill_tokens" => self.inner.max_prefill_tokens, "kv_cache_dtype" => self.kv_cache_dtype())
     }
 }
 

@@ -46,7 +46,8 @@ via_hash!(
     stepllm_core::step::ScheduledSequenceDescriptor,
     stepllm_core::step::StepExecution,
     stepllm_core::step::TokenDelta,
-    stepllm_core::model::WeightDtype
+    stepllm_core::model::WeightDtype,
+    stepllm_core::backend::KvCacheDtype
 );
 
 impl HashValue for f32 {
@@ -105,7 +106,7 @@ fields!(BatchResult: identity, prompt_ids, output_ids, text, finish_reason, stop
 fields!(StepResult: ok, work, step_id, participants, execution, deltas, finished, published_prefix);
 fields!(AdmissionIntent: request_id, original_index, request, prompt_ids);
 fields!(ParallelConfig: tensor_parallel_size, devices);
-fields!(Config: model, device, max_batch_size, max_prefill_tokens, kv_cache_tokens, block_size, max_model_len, context_cache, parallel, dtype);
+fields!(Config: model, device, max_batch_size, max_prefill_tokens, kv_cache_tokens, block_size, max_model_len, context_cache, parallel, dtype, kv_cache_dtype);
 
 impl HashValue for Prompt {
     fn hash_value(&self, h: &mut DefaultHasher) {

@@ -6,8 +6,8 @@ use super::batch::BatchPlan;
 use super::cpu_attention::{self, CpuKvCache};
 use super::cpu_kernels::{for_each_row, rms_norm_row, silu, PARALLEL_ELEMENTS};
 use super::cpu_matmul::{matmul_transposed, pack_bf16, pack_f32, pack_int8, Kernels, Weights};
-use super::{AttentionShape, Backend, KvCacheShape};
-use crate::error::{Error, Result};
+use super::{AttentionShape, Backend, KvCacheDtype, KvCacheShape};
+use crate::error::{invalid, Error, Result};
 use crate::model::loader::HostTensor;
 use rayon::prelude::*;
 
@@ -172,6 +172,12 @@ impl Backend for CpuBackend {
     }
 
     fn allocate_kv_cache(&self, shape: KvCacheShape) -> Result<CpuKvCache> {
+        if shape.dtype != KvCacheDtype::Auto {
+            return invalid(format!(
+                "kv_cache_dtype={:?} is a CUDA option; the CPU backend keeps its KV cache in f32 (use \"auto\")",
+                shape.dtype.name()
+            ));
+        }
         CpuKvCache::new(shape)
     }
 
@@ -336,8 +342,8 @@ impl<R: crate::model::ModelRunner> crate::model::ModelRunner for InRayonPool<R> 
         self.0.config()
     }
 
-    fn allocate_kv_cache(&mut self, num_blocks: usize, block_size: usize) -> Result<()> {
-        self.0.allocate_kv_cache(num_blocks, block_size)
+    fn allocate_kv_cache(&mut self, num_blocks: usize, block_size: usize, dtype: KvCacheDtype) -> Result<()> {
+        self.0.allocate_kv_cache(num_blocks, block_size, dtype)
     }
 
     fn forward(&mut self, batch: &crate::model::ForwardBatch) -> Result<Vec<f32>> {

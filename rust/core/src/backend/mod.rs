@@ -60,6 +60,34 @@ impl AttentionShape {
     }
 }
 
+/// How the paged KV cache stores its values (`Config(kv_cache_dtype=...)`, vLLM's option of the same name).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum KvCacheDtype {
+    /// The backend's activation dtype: bf16 on CUDA, f32 on the CPU.
+    #[default]
+    Auto,
+    /// fp8 e4m3, unscaled (CUDA only): half the bytes of bf16 to store and to read every decode step, at 3
+    /// mantissa bits of precision; values saturate at +-448.
+    Fp8,
+}
+
+impl KvCacheDtype {
+    pub fn parse(name: &str) -> Result<Self> {
+        match name {
+            "auto" => Ok(Self::Auto),
+            "fp8" | "fp8_e4m3" => Ok(Self::Fp8),
+            other => crate::error::invalid(format!("unknown kv_cache_dtype {other:?}; use \"auto\" or \"fp8\"")),
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Auto => "auto",
+            Self::Fp8 => "fp8",
+        }
+    }
+}
+
 /// Size of the paged KV cache. A slot is `block * block_size + offset`; every layer has
 /// `num_blocks * block_size` slots of `num_kv_heads * head_dim` values for K and the same for V.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -69,6 +97,7 @@ pub struct KvCacheShape {
     pub block_size: usize,
     pub num_kv_heads: usize,
     pub head_dim: usize,
+    pub dtype: KvCacheDtype,
 }
 
 impl KvCacheShape {

@@ -3,7 +3,7 @@
 //! [`ForwardBatch`] and reads/writes the paged KV cache through each sequence's block table.
 
 use crate::backend::cpu::InRayonPool;
-use crate::backend::{AttentionShape, Backend, BatchPlan, CpuBackend, CpuWeightFormat, KvCacheShape};
+use crate::backend::{AttentionShape, Backend, BatchPlan, CpuBackend, CpuWeightFormat, KvCacheDtype, KvCacheShape};
 use crate::error::{load_err, protocol, Error, Result};
 use crate::model::loader::{HostTensor, WeightSource};
 use crate::model::{Device, ForwardBatch, ModelConfig, ModelRunner, WeightDtype};
@@ -272,7 +272,7 @@ impl<B: Backend> ModelRunner for LlamaModel<B> {
         self.tp.as_ref().map_or(&self.config, |tp| &tp.full_config)
     }
 
-    fn allocate_kv_cache(&mut self, num_blocks: usize, block_size: usize) -> Result<()> {
+    fn allocate_kv_cache(&mut self, num_blocks: usize, block_size: usize, dtype: KvCacheDtype) -> Result<()> {
         if num_blocks == 0 || block_size == 0 {
             return Err(Error::InvalidRequest(format!(
                 "KV cache needs at least one block of at least one token (got {num_blocks} blocks of {block_size})"
@@ -284,6 +284,7 @@ impl<B: Backend> ModelRunner for LlamaModel<B> {
             block_size,
             num_kv_heads: self.config.num_kv_heads,
             head_dim: self.config.head_dim,
+            dtype,
         };
         self.kv_cache = None; // release the old cache before allocating the new one
         self.kv_cache = Some((self.backend.allocate_kv_cache(shape)?, shape));

@@ -4,6 +4,7 @@ pub mod config;
 pub mod llama;
 pub mod loader;
 
+use crate::backend::KvCacheDtype;
 use crate::error::Result;
 pub use config::{Architecture, ModelConfig};
 
@@ -84,8 +85,8 @@ pub struct StepTiming {
 /// A loaded model on a device: owns weights and the paged KV cache.
 pub trait ModelRunner: Send {
     fn config(&self) -> &ModelConfig;
-    /// Size the paged KV cache: `num_blocks` blocks of `block_size` tokens for every layer.
-    fn allocate_kv_cache(&mut self, num_blocks: usize, block_size: usize) -> Result<()>;
+    /// Size the paged KV cache: `num_blocks` blocks of `block_size` tokens for every layer, stored as `dtype`.
+    fn allocate_kv_cache(&mut self, num_blocks: usize, block_size: usize, dtype: KvCacheDtype) -> Result<()>;
     /// Compute one ragged batch, writing its K/V into the cache. Returns row-major logits,
     /// `batch.logits_for.len()` rows of `vocab_size` floats.
     fn forward(&mut self, batch: &ForwardBatch) -> Result<Vec<f32>>;

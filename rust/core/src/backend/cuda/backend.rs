@@ -6,7 +6,7 @@
 //! Storage only grows, and once decode graphs exist a replaced allocation is kept alive (graphs hold raw
 //! pointers into it), so replaying a graph after a larger prefill stays valid.
 
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
 use half::bf16;
 use rayon::prelude::*;
@@ -14,7 +14,7 @@ use rayon::prelude::*;
 use super::blas::Blas;
 use super::device::{Arg, DeviceBuffer, Func, Gpu};
 use super::gemv::{Gemv, GemvKind, GemvLaunch};
-use crate::backend::{AttentionShape, Backend, BatchPlan, KvCacheShape};
+use crate::backend::{AttentionShape, Backend, BatchPlan, KvCacheDtype, KvCacheShape};
 use crate::error::{Error, Result};
 use crate::model::loader::HostTensor;
 
@@ -39,51 +39,88 @@ enum QkRotation<'a> {
 /// Arguments the rotating attention kernels take after the plain ones.
 const ROTATION_ARGS: usize = 5;
 
-/// Kernel handles, resolved once at start.
+/// Kernel handles, resolved once at start (those of an fp8 cache when the first one is allocated).
 struct Kernels {
     embed: Func,
     rms_norm: Func,
-    rope: Func,
     silu_mul: Func,
     add_bias: Func,
     add_into: Func,
     select_rows: Func,
     argmax: Func,
+    bf16_cache: CacheKernels,
+    fp8_cache: OnceLock<CacheKernels>,
+    pub sample: Func,
+}
+
+/// The kernels that read or write the KV cache, for one cache element type.
+struct CacheKernels {
+    /// RoPE of a prefill step's q and k, and the write of its K and V.
+    rope: Func,
     /// ((head_dim, group size), kernel)
     attention: Vec<((usize, usize), Func)>,
     /// The same shapes, rotating q and k themselves (decode batches only).
     attention_rope: Vec<((usize, usize), Func)>,
     /// (head_dim, kernel): tensor-core attention for prefill steps.
     prefill_attention: Vec<(usize, Func)>,
-    pub sample: Func,
+}
+
+impl CacheKernels {
+    /// Kernel names: paged_attention[_fp8]_d{D}_g{G} in module attention[_fp8] (kernels/attention.cu,
+    /// attention_fp8.cu), prefill_attention[_fp8]_d{D}, rope_write_kv_{bf16,fp8}.
+    fn load(gpu: &Gpu, dtype: KvCacheDtype) -> Result<Self> {
+        let (suffix, element) = match dtype {
+            KvCacheDtype::Auto => ("", "bf16"),
+            KvCacheDtype::Fp8 => ("_fp8", "fp8"),
+        };
+        let module = format!("attention{suffix}");
+        let (mut attention, mut attention_rope) = (Vec::new(), Vec::new());
+        for (d, groups) in [(64, &[1, 2, 3, 4, 8][..]), (128, &[1, 2, 4, 8][..])] {
+            for &g in groups {
+                attention.push(((d, g), gpu.function(&module, &format!("paged_attention{suffix}_d{d}_g{g}"))?));
+                attention_rope.push(((d, g), gpu.function(&module, &format!("paged_attention{suffix}_rope_d{d}_g{g}"))?));
+            }
+        }
+        Ok(Self {
+            rope: gpu.function("rope", &format!("rope_write_kv_{element}"))?,
+            attention,
+            attention_rope,
+            prefill_attention: [64, 128]
+                .into_iter()
+                .map(|d| Ok((d, gpu.function("prefill_attention", &format!("prefill_attention{suffix}_d{d}"))?)))
+                .collect::<Result<_>>()?,
+        })
+    }
 }
 
 impl Kernels {
     fn load(gpu: &Gpu) -> Result<Self> {
-        let (mut attention, mut attention_rope) = (Vec::new(), Vec::new());
-        for (d, groups) in [(64, &[1, 2, 3, 4, 8][..]), (128, &[1, 2, 4, 8][..])] {
-            for &g in groups {
-                attention.push(((d, g), gpu.function("attention", &format!("paged_attention_d{d}_g{g}"))?));
-                attention_rope.push(((d, g), gpu.function("attention", &format!("paged_attention_rope_d{d}_g{g}"))?));
-            }
-        }
         Ok(Self {
             embed: gpu.function("embedding", "embed")?,
             rms_norm: gpu.function("norm", "rms_norm")?,
-            rope: gpu.function("rope", "rope_write_kv")?,
             silu_mul: gpu.function("activation", "silu_mul")?,
             add_bias: gpu.function("activation", "add_bias")?,
             add_into: gpu.function("activation", "add_into")?,
             select_rows: gpu.function("activation", "select_rows")?,
             argmax: gpu.function("gemv", "argmax_rows")?,
-            attention,
-            attention_rope,
-            prefill_attention: [64, 128]
-                .into_iter()
-                .map(|d| Ok((d, gpu.function("prefill_attention", &format!("prefill_attention_d{d}"))?)))
-                .collect::<Result<_>>()?,
+            bf16_cache: CacheKernels::load(gpu, KvCacheDtype::Auto)?,
+            fp8_cache: OnceLock::new(),
             sample: gpu.function("sampling", "sample_rows")?,
         })
+    }
+
+    /// The cache kernels for `dtype`, loading the fp8 ones on first use.
+    fn for_cache(&self, gpu: &Gpu, dtype: KvCacheDtype) -> Result<&CacheKernels> {
+        match dtype {
+            KvCacheDtype::Auto => Ok(&self.bf16_cache),
+            KvCacheDtype::Fp8 => {
+                if let Some(k) = self.fp8_cache.get() {
+                    return Ok(k);
+                }
+                let loaded = CacheKernels::load(gpu, dtype)?;
+                Ok(self.fp8_cache.get_or_init(|| loaded))
+            }
+        }
     }
 }
 
@@ -192,7 +229,8 @@ pub struct CudaVector {
     len: usize,
 }
 
-/// K and V of every layer as `[num_blocks + 1][num_kv_heads][block_size][head_dim]` bf16: attention reads one
+/// K and V of every layer as `[num_blocks + 1][num_kv_heads][block_size][head_dim]` bf16 (or fp8, one byte per
+/// value, with `KvCacheDtype::Fp8`; kernels/kv_cache.cuh): attention reads one
 /// head's positions of a block as one contiguous run (kernels/rope.cu writes, kernels/attention.cu reads). The
 /// extra last block is the dummy that padded rows of a graph replay write to and read from.
 pub struct CudaKvCache {
@@ -381,11 +419,16 @@ impl CudaBackend {
     }
 
     /// The tensor-core prefill attention, when this step has prompts long enough to fill its query tiles.
-    fn tiled_prefill_kernel(&self, shape: &AttentionShape, batch: &CudaBatch) -> Option<Func> {
+    fn tiled_prefill_kernel(&self, shape: &AttentionShape, batch: &CudaBatch, cache: &CudaKvCache) -> Result<Option<Func>> {
         if !self.inner.tiled_prefill || batch.max_query_len < PREFILL_TILED_MIN_QUERY {
-            return None;
+            return Ok(None);
         }
-        self.inner.kernels.prefill_attention.iter().find(|(d, _)| *d == shape.head_dim).map(|&(_, f)| f)
+        let kernels = self.cache_kernels(cache.shape.dtype)?;
+        Ok(kernels.prefill_attention.iter().find(|(d, _)| *d == shape.head_dim).map(|&(_, f)| f))
+    }
+
+    fn cache_kernels(&self, dtype: KvCacheDtype) -> Result<&CacheKernels> {
+        self.inner.kernels.for_cache(&self.inner.gpu, dtype)
     }
 
     /// One block per (sequence, tile of PREFILL_QUERY_TILE query tokens, query head); q and k rotated already.
@@ -432,9 +475,10 @@ impl CudaBackend {
         rotation: QkRotation<'_>,
     ) -> Result<()> {
         let key = (shape.head_dim, shape.group_size());
+        let kernels = self.cache_kernels(cache.shape.dtype)?;
         let (family, qk_norm) = match rotation {
-            QkRotation::Done => (&self.inner.kernels.attention, None),
-            QkRotation::InKernel(qk_norm) => (&self.inner.kernels.attention_rope, qk_norm),
+            QkRotation::Done => (&kernels.attention, None),
+            QkRotation::InKernel(qk_norm) => (&kernels.attention_rope, qk_norm),
         };
         let Some(&(_, f)) = family.iter().find(|(k, _)| *k == key) else {
             return Err(Error::Device(format!(
@@ -559,7 +603,13 @@ impl Backend for CudaBackend {
     }
 
     fn allocate_kv_cache(&self, shape: KvCacheShape) -> Result<CudaKvCache> {
-        let bytes = (shape.num_blocks + 1) * shape.block_size * shape.kv_dim() * 2;
+        // Load the cache's kernels now: a failure is a load-time error, and no module loads during a capture.
+        self.cache_kernels(shape.dtype)?;
+        let bytes_per_value = match shape.dtype {
+            KvCacheDtype::Auto => 2,
+            KvCacheDtype::Fp8 => 1,
+        };
+        let bytes = (shape.num_blocks + 1) * shape.block_size * shape.kv_dim() * bytes_per_value;
         let mut keys = Vec::with_capacity(shape.num_layers);
         let mut values = Vec::with_capacity(shape.num_layers);
         for _ in 0..shape.num_layers {
@@ -755,7 +805,7 @@ impl Backend for CudaBackend {
             Arg::I32(cache.shape.block_size as i32),
         ];
         let grid = (batch.n_tokens as u32, heads.div_ceil(ROPE_WARPS) as u32, 1);
-        self.inner.gpu.launch(self.inner.kernels.rope, grid, 32 * ROPE_WARPS as u32, &args)
+        self.inner.gpu.launch(self.cache_kernels(cache.shape.dtype)?.rope, grid, 32 * ROPE_WARPS as u32, &args)
     }
 
     fn paged_attention(
@@ -768,7 +818,7 @@ impl Backend for CudaBackend {
         out: &mut CudaTensor,
     ) -> Result<()> {
         check_attention(qkv, shape, batch, cache, layer)?;
-        if let Some(f) = self.tiled_prefill_kernel(shape, batch) {
+        if let Some(f) = self.tiled_prefill_kernel(shape, batch, cache)? {
             return self.launch_prefill_attention(f, qkv, shape, batch, cache, layer, out);
         }
         self.launch_attention(qkv, shape, batch, cache, layer, out, QkRotation::Done)
@@ -842,7 +892,7 @@ impl Backend for CudaBackend {
     }
 }
 
-/// What the RoPE code of kernels/rope.cuh handles: up to 4 pairs per lane, V heads copied 16 bytes per lane.
+/// What the RoPE code of kernels/rope.cuh handles: up to 4 pairs per lane, V heads copied 8 values per lane.
 fn check_rope_head_dim(shape: &AttentionShape) -> Result<()> {
     if shape.head_dim > 256 || !shape.head_dim.is_multiple_of(8) {
         return Err(Error::Device(format!(

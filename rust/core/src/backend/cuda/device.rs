@@ -4,7 +4,7 @@
 //! there first, so a machine without CUDA gets `Error::Device`, never a panic.
 
 use std::ffi::{c_void, CString};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use cudarc::driver::{result, sys, CudaContext, CudaModule, CudaStream};
 
@@ -55,11 +55,19 @@ impl Arg {
     }
 }
 
-/// The context, its one stream, and the loaded modules.
+/// One PTX module of the build, JIT-compiled by the driver when a kernel of it is first asked for, so that kernels
+/// a model never uses (the fp8-cache attention of a bf16-cache model) cost no load time.
+struct Module {
+    name: &'static str,
+    ptx: &'static str,
+    loaded: OnceLock<Arc<CudaModule>>,
+}
+
+/// The context, its one stream, and the modules.
 pub struct Gpu {
     pub ctx: Arc<CudaContext>,
     pub stream: Arc<CudaStream>,
-    modules: Vec<(&'static str, Arc<CudaModule>)>,
+    modules: Vec<Module>,
     pub sm_count: usize,
     /// Compute capability 9.0 or newer: the compute_90 PTX is loaded, with its Hopper-only kernels.
     pub hopper: bool,
@@ -94,14 +102,10 @@ impl Gpu {
         let attribute = |a, what: &str| ctx.attribute(a).map_err(|e| device_err(what, e));
         let major = attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, "reading the compute capability")?;
         let hopper_or_newer = major >= 9;
-        let mut modules = Vec::new();
-        for (name, base, pdl) in PTX_MODULES {
-            let ptx = if hopper_or_newer { *pdl } else { *base };
-            let module = ctx
-                .load_module(cudarc::nvrtc::Ptx::from_src(ptx))
-                .map_err(|e| device_err(&format!("loading PTX module {name} (driver too old for PTX 9.0?)"), e))?;
-            modules.push((*name, module));
-        }
+        let modules = PTX_MODULES
+            .iter()
+            .map(|&(name, base, pdl)| Module { name, ptx: if hopper_or_newer { pdl } else { base }, loaded: OnceLock::new() })
+            .collect();
         let sm_count =
             attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, "reading the multiprocessor count")? as usize;
         let pdl = hopper_or_newer && std::env::var_os("STEPLLM_NO_PDL").is_none();
@@ -114,13 +118,26 @@ impl Gpu {
     }
 
     pub fn function(&self, module: &str, name: &str) -> Result<Func> {
-        let (_, m) = self
-            .modules
-            .iter()
-            .find(|(n, _)| *n == module)
-            .ok_or_else(|| Error::Device(format!("PTX module {module} missing from this build")))?;
+        let m = self.module(module)?;
         let f = m.load_function(name).map_err(|e| device_err(&format!("kernel {module}::{name}"), e))?;
         Ok(Func(f.cu_function()))
+    }
+
+    fn module(&self, name: &str) -> Result<&Arc<CudaModule>> {
+        let m = self
+            .modules
+            .iter()
+            .find(|m| m.name == name)
+            .ok_or_else(|| Error::Device(format!("PTX module {name} missing from this build")))?;
+        if let Some(loaded) = m.loaded.get() {
+            return Ok(loaded);
+        }
+        let loaded = self
+            .ctx
+            .load_module(cudarc::nvrtc::Ptx::from_src(m.ptx))
+            .map_err(|e| device_err(&format!("loading PTX module {name} (driver too old for PTX 9.0?)"), e))?;
+        // Two threads loading at once both succeed; the first one's module is kept.
+        Ok(m.loaded.get_or_init(|| loaded))
     }
 
     pub fn cu_stream(&self) -> sys::CUstream {

@@ -13,7 +13,7 @@ use cudarc::driver::{sys, CudaGraph};
 use super::backend::{CudaBackend, DeviceLogits, MetaLayout};
 use super::device::{DeviceBuffer, PinnedBuffer};
 use super::sampler::Sampler;
-use crate::backend::BatchPlan;
+use crate::backend::{BatchPlan, KvCacheDtype};
 use crate::error::{protocol, Error, Result};
 use crate::model::llama::LlamaModel;
 use crate::model::{ForwardBatch, ModelConfig, ModelRunner, SeqSlice, StepTiming};
@@ -275,10 +275,10 @@ impl ModelRunner for CudaRunner {
         self.model.config()
     }
 
-    fn allocate_kv_cache(&mut self, num_blocks: usize, block_size: usize) -> Result<()> {
+    fn allocate_kv_cache(&mut self, num_blocks: usize, block_size: usize, dtype: KvCacheDtype) -> Result<()> {
         self.backend.gpu().bind()?;
         self.graphs = None; // they point into the old cache
-        self.model.allocate_kv_cache(num_blocks, block_size)?;
+        self.model.allocate_kv_cache(num_blocks, block_size, dtype)?;
         self.kv = Some((num_blocks, block_size));
         Ok(())
     }

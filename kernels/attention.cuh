@@ -1,0 +1,493 @@
+// Causal attention of every query token of a ragged batch against its sequence's paged KV cache. One code
+// path serves decode (one token per sequence) and prefill over a cached prefix (each prompt token attends
+// to positions 0..its own). Long contexts are split over blocks (split-K); the last block of a token to
+// finish merges the partial softmaxes, so no second kernel (and no extra graph node) is needed.
+//
+// Latency is what matters at small batch: every dependent global load is a round trip (~0.5-1 us), so
+// the kernel is laid out to need as few as possible. Each lane issues the K and V loads of U positions
+// before it uses any of them (2*U vector loads in flight per lane, NG * U positions per block per step),
+// the block-table entries of the next step are fetched while the current one computes, and the split-K
+// merge reads all partial states of a (token, head) at once. A decode token with a short context costs:
+// metadata (positions/token_seq/q, then seq_info, then the block table), one K/V round trip, and, when
+// split, the partial store + fence + ticket + one read of the partials.
+//
+// The kernels are instantiated for a bf16 cache (attention.cu) and for an fp8 one (attention_fp8.cu, its own PTX
+// module, loaded only when a model uses an fp8 cache; kernels/kv_cache.cuh): a lane then loads its 8 values of a
+// position as 8 bytes instead of 16 and widens them to f32 like bf16 ones.
+//
+// The paged_attention_rope kernels serve decode batches (one query token per sequence) and take the place
+// of the RoPE kernel there: each block rotates its group's query heads itself, and the block holding the
+// newest position rotates that token's K and writes K and V to the cache before it reads them back.
+#pragma once
+#include "kv_cache.cuh"
+#include "rope.cuh"
+
+#define ATTN_THREADS 128
+#define ATTN_WARPS (ATTN_THREADS / 32)
+// Smallest number of positions one split handles (the host's cap on gridDim.z, ceil(max context / 16),
+// should use the same number; any gridDim.z works).
+#define MIN_CHUNK 16
+// Most splits the merge handles; the host never launches more (MAX_ATTENTION_SPLITS), and the kernel
+// uses at most this many even if gridDim.z is larger.
+#define MAX_SPLITS 16
+
+// Unsigned division by a runtime constant (block_size) in three instructions: valid for n < 2^31.
+struct FastDiv {
+    u32 magic, shift;
+    __device__ __forceinline__ explicit FastDiv(u32 d) {
+        shift = d <= 1 ? 0u : 32u - __clz(d - 1);  // smallest s with 2^s >= d
+        // A power of two (the usual block size) needs no 64-bit division: magic = 1, n >> shift.
+        magic = (d & (d - 1)) == 0 ? 1u : (u32)(((1ull << 32) * ((1ull << shift) - d)) / d + 1);
+    }
+    __device__ __forceinline__ u32 div(u32 n) const { return (__umulhi(n, magic) + n) >> shift; }
+};
+
+// ceil(a / b) for a >= 0, b > 0 without the integer divide sequence: a float estimate (off by at most one
+// while a < 2^21), then corrected.
+__device__ __forceinline__ int ceil_div(int a, int b) {
+    if (a >= (1 << 21)) return (a + b - 1) / b;
+    int q = (int)__fdividef((float)a, (float)b);
+    int r = a - q * b;
+    if (r < 0) r += b, q--;
+    if (r >= b) r -= b, q++;
+    return q + (r > 0);
+}
+
+// Merge softmax state (m2, l2, acc2) into (m, l, acc); m = -inf means empty.
+template <int N>
+__device__ __forceinline__ void merge_state(float& m, float& l, float* acc, float m2, float l2, const float* acc2) {
+    const float mn = fmaxf(m, m2);
+    const float c1 = m == -INFINITY ? 0.0f : fast_exp2(m - mn);
+    const float c2 = m2 == -INFINITY ? 0.0f : fast_exp2(m2 - mn);
+    l = l * c1 + l2 * c2;
+#pragma unroll
+    for (int i = 0; i < N; i++) acc[i] = acc[i] * c1 + acc2[i] * c2;
+    m = mn;
+}
+
+__device__ __forceinline__ void store4_bf16(bf16* p, float a, float b, float c, float d) {
+    *reinterpret_cast<uint2*>(p) = make_uint2(pack_bf16(a, b), pack_bf16(c, d));
+}
+
+// U: sub-steps (positions per lane-group) whose K/V loads are in flight together, as many as registers allow
+// without spilling. MIN_BLOCKS: resident blocks per SM the register allocation must allow (launch bounds);
+// either way an SM keeps 64-128 KB of K/V loads in flight, enough to stream the cache at full bandwidth.
+template <int D, int G, typename KV>
+struct AttnConfig {
+    // Values of a position's head per lane: 8 (one 16-byte load of bf16; 8 fp8 are an 8-byte load), or 16 fp8
+    // (one 16-byte load, so as many bytes in flight as bf16 and half the steps) for head_dim 128 with G <= 2,
+    // where it measured faster (benchmarks/RESULTS.md). Tried at head_dim 64 with G = 3 (SmolLM2): slower, and
+    // its one fp8 correctness run diverged from the reference, which was not investigated; not used there.
+    static constexpr int VALS = sizeof(KV) == 1 && D == 128 && G <= 2 ? 16 : 8;
+    static constexpr int U = G <= 4 ? 8 : 4;
+    static constexpr int MIN_BLOCKS = G <= 2 ? (VALS == 16 ? 3 : 4) : 2;  // <= 128 / 168 / 255 registers
+    // The ROPE variant holds its first step's K and V across the rotation (<= 168 registers for G <= 2).
+    static constexpr int MIN_BLOCKS_ROPE = G <= 2 ? 3 : 2;
+    static constexpr bool Q_SHARED = G >= 4;           // q lives in shared memory (saves G * 8 registers)
+};
+
+// What the ROPE variant needs to rotate q and k itself: per-head norm weights (null: none), their epsilon,
+// the RoPE base, and each token's cache slot.
+struct RopeArgs {
+    const float* q_norm;
+    const float* k_norm;
+    float eps;
+    float theta;
+    const u32* slots;
+};
+
+// grid: (tokens, num_kv_heads, max_splits); block: ATTN_THREADS. D = head_dim, G = query heads per kv head.
+// ROPE: q and k in qkv are not rotated yet and every sequence has one query token (see the top of the file).
+// seq_info holds 5 u32 per sequence: start, len, past_len, table_start, table_len.
+// partial: tokens * num_heads * max_splits * (D + 2) floats, used as two arrays indexed by
+// row = (token * num_heads + head) * max_splits + split: acc[row][D], then (m, l)[row].
+// counters: tokens * num_kv_heads u32, all zero between launches (the merging block resets its counter).
+// KV: the cache's element type (kernels/kv_cache.cuh). The caches are not __restrict__: the ROPE variant writes
+// the newest K/V and then reads them.
+template <int D, int G, bool ROPE, typename KV>
+__device__ void paged_attention(const bf16* __restrict__ qkv, int width, const u32* __restrict__ positions,
+                                const u32* __restrict__ token_seq, const u32* __restrict__ seq_info,
+                                const u32* __restrict__ block_tables, KV* k_cache, KV* v_cache,
+                                int block_size, int num_kv_heads, float scale, bf16* __restrict__ out,
+                                float* __restrict__ partial, u32* __restrict__ counters, RopeArgs rope) {
+    constexpr int VALS = AttnConfig<D, G, KV>::VALS;
+    using Vec = typename KvLoad<KV, VALS>::type;  // one lane's VALS values of a position's head
+    constexpr int LANES = D / VALS;         // lanes that share one position
+    constexpr int GROUPS = 32 / LANES;      // positions per warp per sub-step
+    constexpr int NG = GROUPS * ATTN_WARPS; // positions per block per sub-step
+    constexpr int U = AttnConfig<D, G, KV>::U;  // sub-steps whose loads are in flight together
+    constexpr bool Q_SHARED = AttnConfig<D, G, KV>::Q_SHARED;
+    constexpr int STEP = NG * U;            // positions per block per step
+    constexpr int V4 = D / 4;               // float4 columns per head
+    static_assert(D % VALS == 0 && 32 % LANES == 0, "head_dim must be 64 or 128 (or another 8 * 2^k <= 256)");
+
+    __shared__ __align__(16) float s_acc[ATTN_WARPS][G][D];
+    __shared__ float2 s_ml[ATTN_WARPS][G];
+    // q, scaled; the ROPE variant rotates it here (a head's pairs sit in different lanes) even when the main
+    // loop keeps it in registers.
+    __shared__ __align__(16) float s_q[Q_SHARED || ROPE ? G : 1][D];
+    __shared__ float2 s_split_ml[G][MAX_SPLITS];
+    __shared__ __align__(16) KV s_new[ROPE ? 2 : 1][D];  // the newest position's K and V as cached (ROPE)
+    __shared__ bool is_last;
+
+    const int t = blockIdx.x, g = blockIdx.y, split = blockIdx.z, max_splits = gridDim.z;
+    const int num_heads = num_kv_heads * G;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int li = lane % LANES, gi = lane / LANES;
+    const float qscale = scale * 1.4426950408889634f;  // scores in log2 units
+
+    // The batch metadata (positions, sequences, block tables) may be read before the previous kernel is done
+    // (common.cuh), so its three dependent round trips overlap that kernel's tail; q and the cache wait.
+    const int ctx = (int)positions[t] + 1;
+    const u32 seq = token_seq[t];
+    const u32* table = block_tables + seq_info[seq * 5 + 3];
+
+    // chunk = ceil(ctx / splits) rounded up to a multiple of MIN_CHUNK; nsplits <= min(gridDim.z, MAX_SPLITS).
+    const int chunk = MIN_CHUNK * ceil_div(ctx, MIN_CHUNK * min(max_splits, MAX_SPLITS));
+    if (split * chunk >= ctx) return;  // block-uniform: this split is past the context
+    const int nsplits = ceil_div(ctx, chunk);
+    const int begin = split * chunk, end = min(ctx, begin + chunk);
+
+    const FastDiv bdiv((u32)block_size);
+    const int off0 = warp * GROUPS + gi;  // this lane-group's position within a sub-step
+    // Block-table entries of the positions of one step (prefetched one step ahead).
+    u32 blk[U];
+#pragma unroll
+    for (int u = 0; u < U; u++) {
+        const int p = begin + u * NG + off0;
+        blk[u] = p < end ? __ldg(table + bdiv.div((u32)p)) : 0u;
+    }
+    // The cache is [block][kv head][position in block][D]: one head's positions of a block are contiguous.
+    const size_t head_base = (size_t)g * block_size * D + li * VALS;
+    // This lane's K and V of the U positions of the step at `base` (zeros past `end` and at `skip`).
+    auto load_step = [&](int base, int skip, Vec (&kr)[U], Vec (&vr)[U]) {
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            const int p = base + u * NG + off0;
+            if (p < end && p != skip) {
+                const u32 bi = bdiv.div((u32)p);
+                const size_t at = ((size_t)blk[u] * num_kv_heads * block_size + (p - bi * block_size)) * D + head_base;
+                kr[u] = __ldcg(reinterpret_cast<const Vec*>(k_cache + at));
+                vr[u] = __ldcg(reinterpret_cast<const Vec*>(v_cache + at));
+            } else {
+                kr[u] = Vec{};
+                vr[u] = Vec{};
+            }
+        }
+    };
+    // A decode step's past K and V were written by earlier forwards, and only this kernel writes this layer's
+    // cache in this one, so the ROPE variant loads its first step before the wait too; the newest position,
+    // which this block writes below, is taken from shared memory instead.
+    Vec kr[U], vr[U];
+    if constexpr (ROPE) load_step(begin, ctx - 1, kr, vr);
+    kernel_begin();
+
+    const bf16* qrow = qkv + (size_t)t * width + (size_t)g * G * D;
+    float q[Q_SHARED ? 1 : G][VALS];
+    if constexpr (ROPE) {
+        const float pos = (float)(ctx - 1);
+        for (int h = warp; h < G; h += ATTN_WARPS) {
+            rope_head(qrow + h * D, rope.q_norm, rope.eps, pos, rope.theta, D, lane,
+                      [&](int i, bf16 v) { s_q[h][i] = __bfloat162float(v) * qscale; });
+        }
+        if (end == ctx) {  // this split holds the newest position: put its K and V in the cache first
+            const size_t at = cache_offset(rope.slots[t], g, num_kv_heads, block_size, D);
+            const bf16* krow = qkv + (size_t)t * width + (size_t)(num_heads + g) * D;
+            if (warp == ATTN_WARPS - 1) {
+                rope_head(krow, rope.k_norm, rope.eps, pos, rope.theta, D, lane, [&](int i, bf16 v) {
+                    const KV k = kv_from_bf16<KV>(v);
+                    k_cache[at + i] = k;
+                    s_new[0][i] = k;
+                });
+            } else if (warp == 0) {
+                const uint4* vrow = reinterpret_cast<const uint4*>(krow + (size_t)num_kv_heads * D);
+                using Vec8 = typename KvVec<KV>::type;
+                for (int i = lane; i < D / 8; i += 32) {
+                    const Vec8 v = kv_pack8<KV>(__ldcg(vrow + i));
+                    reinterpret_cast<Vec8*>(v_cache + at)[i] = v;
+                    reinterpret_cast<Vec8*>(s_new[1])[i] = v;
+                }
+            }
+        }
+        // The barrier before the main loop publishes s_q and the new K/V to the whole block.
+    } else if constexpr (Q_SHARED) {
+        constexpr int QV = (G * D / 8 + ATTN_THREADS - 1) / ATTN_THREADS;
+        uint4 qraw[QV];
+#pragma unroll
+        for (int j = 0; j < QV; j++) {
+            const int e = threadIdx.x + j * ATTN_THREADS;
+            if (e < G * D / 8) qraw[j] = __ldcg(reinterpret_cast<const uint4*>(qrow) + e);
+        }
+#pragma unroll
+        for (int j = 0; j < QV; j++) {
+            const int e = threadIdx.x + j * ATTN_THREADS;
+            if (e < G * D / 8) {
+                float f[8];
+                unpack8(qraw[j], f);
+#pragma unroll
+                for (int i = 0; i < 8; i++) (&s_q[0][0])[e * 8 + i] = f[i] * qscale;
+            }
+        }
+    } else {
+        uint4 qraw[G][VALS / 8];
+#pragma unroll
+        for (int h = 0; h < G; h++)
+#pragma unroll
+            for (int j = 0; j < VALS / 8; j++) qraw[h][j] = __ldcg(reinterpret_cast<const uint4*>(qrow + h * D + li * VALS) + j);
+#pragma unroll
+        for (int h = 0; h < G; h++) {
+#pragma unroll
+            for (int j = 0; j < VALS / 8; j++) unpack8(qraw[h][j], q[h] + 8 * j);
+#pragma unroll
+            for (int i = 0; i < VALS; i++) q[h][i] *= qscale;
+        }
+    }
+
+    float acc[G][VALS], m[G], l[G];
+#pragma unroll
+    for (int h = 0; h < G; h++) {
+#pragma unroll
+        for (int i = 0; i < VALS; i++) acc[h][i] = 0.0f;
+        m[h] = -INFINITY;
+        l[h] = 0.0f;
+    }
+
+    if constexpr (Q_SHARED || ROPE) __syncthreads();
+    if constexpr (ROPE && !Q_SHARED) {
+#pragma unroll
+        for (int h = 0; h < G; h++)
+#pragma unroll
+            for (int i = 0; i < VALS; i++) q[h][i] = s_q[h][li * VALS + i];
+    }
+    if constexpr (ROPE) {
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            if (begin + u * NG + off0 == ctx - 1) {
+                kr[u] = reinterpret_cast<const Vec*>(s_new[0])[li];
+                vr[u] = reinterpret_cast<const Vec*>(s_new[1])[li];
+            }
+        }
+    }
+
+    // Block-uniform trip count: lanes past `end` still join the shuffles.
+    for (int base = begin; base < end; base += STEP) {
+        if (!ROPE || base != begin) load_step(base, -1, kr, vr);
+        // Next step's table entries, in flight while this step computes.
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            const int p = base + STEP + u * NG + off0;
+            blk[u] = p < end ? __ldg(table + bdiv.div((u32)p)) : 0u;
+        }
+
+        float s[G][U];
+#pragma unroll
+        for (int h = 0; h < G; h++) {
+            float qh[VALS];
+            if constexpr (Q_SHARED) {
+#pragma unroll
+                for (int j = 0; j < VALS / 4; j++) {
+                    const float4 a = *reinterpret_cast<const float4*>(&s_q[h][li * VALS + 4 * j]);
+                    qh[4 * j] = a.x, qh[4 * j + 1] = a.y, qh[4 * j + 2] = a.z, qh[4 * j + 3] = a.w;
+                }
+            } else {
+#pragma unroll
+                for (int i = 0; i < VALS; i++) qh[i] = q[Q_SHARED ? 0 : h][i];
+            }
+#pragma unroll
+            for (int u = 0; u < U; u++) {
+                float k[VALS];
+                kv_unpack<KV, VALS>(kr[u], k);
+                float acc_s = 0.0f;
+#pragma unroll
+                for (int i = 0; i < VALS; i++) acc_s = fmaf(qh[i], k[i], acc_s);
+                s[h][u] = acc_s;
+            }
+        }
+        // All G * U sums interleaved, so the shuffles pipeline (no branch between them).
+#pragma unroll
+        for (int o = LANES / 2; o > 0; o >>= 1) {
+#pragma unroll
+            for (int h = 0; h < G; h++) {
+#pragma unroll
+                for (int u = 0; u < U; u++) s[h][u] += __shfl_xor_sync(0xffffffffu, s[h][u], o);
+            }
+        }
+        // One online-softmax update for the U positions.
+#pragma unroll
+        for (int h = 0; h < G; h++) {
+            float mx = m[h];
+#pragma unroll
+            for (int u = 0; u < U; u++)
+                if (base + u * NG + off0 < end) mx = fmaxf(mx, s[h][u]);
+            const float corr = mx == -INFINITY ? 1.0f : fast_exp2(m[h] - mx);  // m = -inf gives 0
+            float lsum = 0.0f;
+#pragma unroll
+            for (int u = 0; u < U; u++) {
+                s[h][u] = base + u * NG + off0 < end ? fast_exp2(s[h][u] - mx) : 0.0f;
+                lsum += s[h][u];
+            }
+            l[h] = l[h] * corr + lsum;
+            m[h] = mx;
+#pragma unroll
+            for (int i = 0; i < VALS; i++) acc[h][i] *= corr;
+        }
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            if (base + u * NG >= end) continue;  // block-uniform: no position of this sub-step is left
+            float v[VALS];
+            kv_unpack<KV, VALS>(vr[u], v);
+#pragma unroll
+            for (int h = 0; h < G; h++) {
+#pragma unroll
+                for (int i = 0; i < VALS; i++) acc[h][i] = fmaf(s[h][u], v[i], acc[h][i]);
+            }
+        }
+    }
+
+    // Merge the position groups of each warp (lanes li, li + LANES, ... hold the same dims).
+#pragma unroll
+    for (int o = LANES; o < 32; o <<= 1) {
+#pragma unroll
+        for (int h = 0; h < G; h++) {
+            float acc2[VALS];
+            const float m2 = __shfl_xor_sync(0xffffffffu, m[h], o);
+            const float l2 = __shfl_xor_sync(0xffffffffu, l[h], o);
+#pragma unroll
+            for (int i = 0; i < VALS; i++) acc2[i] = __shfl_xor_sync(0xffffffffu, acc[h][i], o);
+            merge_state<VALS>(m[h], l[h], acc[h], m2, l2, acc2);
+        }
+    }
+    if (gi == 0) {
+#pragma unroll
+        for (int h = 0; h < G; h++) {
+#pragma unroll
+            for (int j = 0; j < VALS / 4; j++)
+                *reinterpret_cast<float4*>(&s_acc[warp][h][li * VALS + 4 * j]) =
+                    make_float4(acc[h][4 * j], acc[h][4 * j + 1], acc[h][4 * j + 2], acc[h][4 * j + 3]);
+            if (li == 0) s_ml[warp][h] = make_float2(m[h], l[h]);
+        }
+    }
+    __syncthreads();
+
+    // Merge the warps: every thread takes float4 columns of the G heads.
+    const size_t rows = (size_t)gridDim.x * num_heads * max_splits;
+    float* p_acc = partial;                                     // [rows][D]
+    float2* p_ml = reinterpret_cast<float2*>(partial + rows * D);  // [rows]
+    for (int e = threadIdx.x; e < G * V4; e += ATTN_THREADS) {
+        const int h = e / V4, d = (e % V4) * 4;
+        float mw[ATTN_WARPS], mx = -INFINITY;
+#pragma unroll
+        for (int w = 0; w < ATTN_WARPS; w++) {
+            mw[w] = s_ml[w][h].x;
+            mx = fmaxf(mx, mw[w]);
+        }
+        float ls = 0.0f, a[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+        for (int w = 0; w < ATTN_WARPS; w++) {
+            const float c = mw[w] == -INFINITY ? 0.0f : fast_exp2(mw[w] - mx);
+            const float4 x = *reinterpret_cast<const float4*>(&s_acc[w][h][d]);
+            ls += s_ml[w][h].y * c;
+            a[0] += x.x * c, a[1] += x.y * c, a[2] += x.z * c, a[3] += x.w * c;
+        }
+        if (nsplits == 1) {
+            const float inv = 1.0f / ls;
+            store4_bf16(out + (size_t)t * num_heads * D + (size_t)(g * G + h) * D + d, a[0] * inv, a[1] * inv,
+                        a[2] * inv, a[3] * inv);
+        } else {
+            const size_t row = ((size_t)t * num_heads + g * G + h) * max_splits + split;
+            __stcg(reinterpret_cast<float4*>(p_acc + row * D + d), make_float4(a[0], a[1], a[2], a[3]));
+            if (d == 0) __stcg(p_ml + row, make_float2(mx, ls));
+        }
+    }
+    if (nsplits == 1) return;  // block-uniform
+
+    // Split-K: publish this block's state, and let the last block of (token, kv head) merge them all.
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        const u32 ticket = atomicAdd(&counters[t * num_kv_heads + g], 1u);
+        is_last = ticket == (u32)nsplits - 1;
+    }
+    __syncthreads();
+    if (!is_last) return;
+    __threadfence();
+    // One round trip (two for G * D > 4 * ATTN_THREADS): each thread issues the loads of its first column's
+    // partial sums of every split, while threads of G * MAX_SPLITS (m, l) pairs stage them in shared memory.
+    const size_t row_t = (size_t)t * num_heads + g * G;
+    float4 pa[MAX_SPLITS];
+    {
+        const int e = threadIdx.x, h = e / V4, d = (e % V4) * 4;
+        const size_t row0 = (row_t + h) * max_splits;
+        if (e < G * V4) {
+#pragma unroll
+            for (int s = 0; s < MAX_SPLITS; s++)
+                if (s < nsplits) pa[s] = __ldcg(reinterpret_cast<const float4*>(p_acc + (row0 + s) * D + d));
+        }
+    }
+    static_assert(G * MAX_SPLITS <= ATTN_THREADS, "one (m, l) pair per thread");
+    if (threadIdx.x < G * MAX_SPLITS) {
+        const int h = threadIdx.x / MAX_SPLITS, s = threadIdx.x % MAX_SPLITS;
+        s_split_ml[h][s] = s < nsplits ? __ldcg(p_ml + (row_t + h) * max_splits + s) : make_float2(-INFINITY, 0.0f);
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e < G * V4; e += ATTN_THREADS) {
+        const int h = e / V4, d = (e % V4) * 4;
+        if (e >= ATTN_THREADS) {  // later columns (only when G * D > 4 * ATTN_THREADS)
+            const size_t row0 = (row_t + h) * max_splits;
+#pragma unroll
+            for (int s = 0; s < MAX_SPLITS; s++)
+                if (s < nsplits) pa[s] = __ldcg(reinterpret_cast<const float4*>(p_acc + (row0 + s) * D + d));
+        }
+        float mx = -INFINITY;
+#pragma unroll
+        for (int s = 0; s < MAX_SPLITS; s++)
+            if (s < nsplits) mx = fmaxf(mx, s_split_ml[h][s].x);
+        float ls = 0.0f, a[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+        for (int s = 0; s < MAX_SPLITS; s++) {
+            if (s < nsplits) {
+                const float2 ml = s_split_ml[h][s];
+                const float c = ml.x == -INFINITY ? 0.0f : fast_exp2(ml.x - mx);
+                ls += ml.y * c;
+                a[0] += pa[s].x * c, a[1] += pa[s].y * c, a[2] += pa[s].z * c, a[3] += pa[s].w * c;
+            }
+        }
+        const float inv = 1.0f / ls;
+        store4_bf16(out + (size_t)t * num_heads * D + (size_t)(g * G + h) * D + d, a[0] * inv, a[1] * inv,
+                    a[2] * inv, a[3] * inv);
+    }
+    if (threadIdx.x == 0) counters[t * num_kv_heads + g] = 0;
+}
+
+// The plain and the rotating kernel of one shape and cache element type; NAME is paged_attention[_fp8].
+#define ATTENTION_KERNELS(NAME, KV, D, G)                                                                      \
+    extern "C" __global__ void __launch_bounds__(ATTN_THREADS, (AttnConfig<D, G, KV>::MIN_BLOCKS))                \
+        NAME##_d##D##_g##G(                                                                                     \
+        const bf16* qkv, int width, const u32* positions, const u32* token_seq, const u32* seq_info,           \
+        const u32* block_tables, KV* k_cache, KV* v_cache, int block_size, int num_kv_heads,                    \
+        float scale, bf16* out, float* partial, u32* counters) {                                                \
+        paged_attention<D, G, false, KV>(qkv, width, positions, token_seq, seq_info, block_tables, k_cache,    \
+                                         v_cache, block_size, num_kv_heads, scale, out, partial, counters, {}); \
+    }                                                                                                           \
+    extern "C" __global__ void __launch_bounds__(ATTN_THREADS, (AttnConfig<D, G, KV>::MIN_BLOCKS_ROPE))            \
+        NAME##_rope_d##D##_g##G(                                                                                \
+        const bf16* qkv, int width, const u32* positions, const u32* token_seq, const u32* seq_info,           \
+        const u32* block_tables, KV* k_cache, KV* v_cache, int block_size, int num_kv_heads,                    \
+        float scale, bf16* out, float* partial, u32* counters, const float* q_norm, const float* k_norm,        \
+        float eps, float theta, const u32* slots) {                                                             \
+        paged_attention<D, G, true, KV>(qkv, width, positions, token_seq, seq_info, block_tables, k_cache,     \
+                                        v_cache, block_size, num_kv_heads, scale, out, partial, counters,      \
+                                        {q_norm, k_norm, eps, theta, slots});                                   \
+    }
+
+// Every shape the host may ask for (CudaBackend's kernel table lists the same).
+#define ATTENTION_SHAPES(NAME, KV)       \
+    ATTENTION_KERNELS(NAME, KV, 64, 1)   \
+    ATTENTION_KERNELS(NAME, KV, 64, 2)   \
+    ATTENTION_KERNELS(NAME, KV, 64, 3)   \
+    ATTENTION_KERNELS(NAME, KV, 64, 4)   \
+    ATTENTION_KERNELS(NAME, KV, 64, 8)   \
+    ATTENTION_KERNELS(NAME, KV, 128, 1)  \
+    ATTENTION_KERNELS(NAME, KV, 128, 2)  \
+    ATTENTION_KERNELS(NAME, KV, 128, 4)  \
+    ATTENTION_KERNELS(NAME, KV, 128, 8)

@@ -1,0 +1,89 @@
+// The element types of the paged KV cache and their 8-value vectors. bf16 is the default; fp8 (e4m3, selected by
+// Config(kv_cache_dtype="fp8")) halves the bytes every decode step reads. fp8 values are stored unscaled,
+// rounded to nearest and saturated at +-448 (vLLM's fp8 cache without calibrated scales does the same): K and V
+// of these models are well inside that range, and what is lost is precision (3 mantissa bits), not range.
+#pragma once
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+#include "common.cuh"
+
+typedef __nv_fp8_storage_t fp8;  // one e4m3 byte
+
+// Eight cache elements as one vector load: 16 bytes of bf16, 8 bytes of fp8.
+template <typename KV>
+struct KvVec;
+template <>
+struct KvVec<bf16> {
+    typedef uint4 type;
+};
+template <>
+struct KvVec<fp8> {
+    typedef uint2 type;
+};
+
+// The 8 values of one vector as floats (exact for both: every bf16 and e4m3 value is an f32).
+__device__ __forceinline__ void kv_unpack8(const uint4& raw, float out[8]) { unpack8(raw, out); }
+__device__ __forceinline__ void kv_unpack8(const uint2& raw, float out[8]) {
+    const __nv_fp8x2_storage_t* pairs = reinterpret_cast<const __nv_fp8x2_storage_t*>(&raw);
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(pairs[i], __NV_E4M3);
+        const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&h));
+        out[2 * i] = f.x;
+        out[2 * i + 1] = f.y;
+    }
+}
+
+// VALS values of one position's head as one load: 16 bytes (8 bf16 or 16 fp8) or 8 bytes (8 fp8).
+template <typename KV, int VALS>
+struct KvLoad {
+    static_assert(VALS * sizeof(KV) == 16 || VALS * sizeof(KV) == 8, "a load is 8 or 16 bytes");
+    typedef typename std::conditional<VALS * sizeof(KV) == 16, uint4, uint2>::type type;
+};
+
+// The VALS values of one load as floats.
+template <typename KV, int VALS>
+__device__ __forceinline__ void kv_unpack(const typename KvLoad<KV, VALS>::type& raw, float (&out)[VALS]) {
+    if constexpr (sizeof(KV) == 2 || VALS == 8) {
+        kv_unpack8(raw, out);
+    } else {
+        const uint2* halves = reinterpret_cast<const uint2*>(&raw);
+        kv_unpack8(halves[0], out);
+        kv_unpack8(halves[1], out + 8);
+    }
+}
+
+// One bf16 value as a cache element.
+template <typename KV>
+__device__ __forceinline__ KV kv_from_bf16(bf16 v);
+template <>
+__device__ __forceinline__ bf16 kv_from_bf16<bf16>(bf16 v) { return v; }
+template <>
+__device__ __forceinline__ fp8 kv_from_bf16<fp8>(bf16 v) {
+    return __nv_cvt_float_to_fp8(__bfloat162float(v), __NV_SATFINITE, __NV_E4M3);
+}
+
+// Eight bf16 values (one 16-byte word) as one cache vector.
+template <typename KV>
+__device__ __forceinline__ typename KvVec<KV>::type kv_pack8(const uint4& raw);
+template <>
+__device__ __forceinline__ uint4 kv_pack8<bf16>(const uint4& raw) { return raw; }
+template <>
+__device__ __forceinline__ uint2 kv_pack8<fp8>(const uint4& raw) {
+    float f[8];
+    unpack8(raw, f);
+    u32 w[4];
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        const u32 pair = __nv_cvt_float2_to_fp8x2(make_float2(f[2 * i], f[2 * i + 1]), __NV_SATFINITE, __NV_E4M3);
+        w[i] = pair & 0xffffu;
+    }
+    return make_uint2(w[0] | (w[1] << 16), w[2] | (w[3] << 16));
+}
+
+// Eight cache elements as eight bf16 (one 16-byte word): how the tensor-core prefill attention stages fp8 tiles.
+__device__ __forceinline__ uint4 kv_to_bf16x8(const uint2& raw) {
+    float f[8];
+    kv_unpack8(raw, f);
+    return make_uint4(pack_bf16(f[0], f[1]), pack_bf16(f[2], f[3]), pack_bf16(f[4], f[5]), pack_bf16(f[6], f[7]));
+}
