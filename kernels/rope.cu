@@ -1,5 +1,5 @@
 // Per-head q/k RMSNorm (Qwen3), RoPE in place on fused [q | k | v] rows, and the write of K and V into the
-// paged cache, for every token of a batch (prefill; decode rotates inside the attention, kernels/attention.cu).
+// paged cache, for every token of a batch (prefill; decode rotates inside the attention, kernels/attention.cuh).
 #include "kv_cache.cuh"
 #include "rope.cuh"
 

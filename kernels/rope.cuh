@@ -1,6 +1,6 @@
 // The per-head q/k RMSNorm (Qwen3) and RoPE (neox / rotate_half) of one head, by one warp: shared by the RoPE
 // kernel (every token of a batch) and the decode attention, which rotates its own q and k (kernels/rope.cu,
-// kernels/attention.cu). The roundings follow transformers in bf16: the normed values are bf16, cos/sin are
+// kernels/attention.cuh). The roundings follow transformers in bf16: the normed values are bf16, cos/sin are
 // rounded to bf16, and q*cos and rotate_half(q)*sin are each rounded before their sum.
 #pragma once
 #include "common.cuh"

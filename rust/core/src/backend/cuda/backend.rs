@@ -30,7 +30,7 @@ const PREFILL_THREADS: u32 = 128;
 const PREFILL_TILED_MIN_QUERY: usize = 16;
 
 /// Whether the attention's q and k are rotated already (the RoPE kernel ran) or the attention kernel rotates
-/// them itself, with the per-head norm weights if the model has them (kernels/attention.cu).
+/// them itself, with the per-head norm weights if the model has them (kernels/attention.cuh).
 #[derive(Clone, Copy)]
 enum QkRotation<'a> {
     Done,
@@ -231,7 +231,7 @@ pub struct CudaVector {
 
 /// K and V of every layer as `[num_blocks + 1][num_kv_heads][block_size][head_dim]` bf16 (or fp8, one byte per
 /// value, with `KvCacheDtype::Fp8`; kernels/kv_cache.cuh): attention reads one
-/// head's positions of a block as one contiguous run (kernels/rope.cu writes, kernels/attention.cu reads). The
+/// head's positions of a block as one contiguous run (kernels/rope.cu writes, kernels/attention.cuh reads). The
 /// extra last block is the dummy that padded rows of a graph replay write to and read from.
 pub struct CudaKvCache {
     shape: KvCacheShape,
@@ -482,7 +482,7 @@ impl CudaBackend {
         };
         let Some(&(_, f)) = family.iter().find(|(k, _)| *k == key) else {
             return Err(Error::Device(format!(
-                "no CUDA attention kernel for head_dim {} with {} query heads per KV head; add it to kernels/attention.cu",
+                "no CUDA attention kernel for head_dim {} with {} query heads per KV head; add it to ATTENTION_SHAPES in kernels/attention.cuh",
                 key.0, key.1
             )));
         };
