@@ -264,12 +264,12 @@ fn cpu_refuses_an_fp8_kv_cache() {
     let mut config = Config::new(fixture_dir("llama").to_string_lossy());
     config.device = "cpu".into();
     config.kv_cache_dtype = KvCacheDtype::Fp8;
-    let err = config.validate().err().expect("refused");
+    let err = config.validate().expect_err("refused");
     assert!(matches!(err, Error::InvalidRequest(_)) && err.to_string().contains("needs the CUDA backend"), "{err}");
 
     let dir = fixture_dir("llama");
     let mut runner = build_runner_with(&load_hf_config(&dir).unwrap(), &SafetensorsSource::open(&dir).unwrap(), Device::Cpu, None).unwrap();
-    let err = runner.allocate_kv_cache(4, BLOCK_SIZE, KvCacheDtype::Fp8).err().expect("refused");
+    let err = runner.allocate_kv_cache(4, BLOCK_SIZE, KvCacheDtype::Fp8).expect_err("refused");
     assert!(err.to_string().contains("CPU backend keeps its KV cache in f32"), "{err}");
     runner.allocate_kv_cache(4, BLOCK_SIZE, KvCacheDtype::Auto).unwrap();
 }
