@@ -12,8 +12,8 @@
 // split, the partial store + fence + ticket + one read of the partials.
 //
 // The kernels are instantiated for a bf16 cache (attention.cu) and for an fp8 one (attention_fp8.cu, its own PTX
-// module, loaded only when a model uses an fp8 cache; kernels/kv_cache.cuh): a lane then loads its 8 values of a
-// position as 8 bytes instead of 16 and widens them to f32 like bf16 ones.
+// module, loaded only when a model uses an fp8 cache; kernels/kv_cache.cuh): a lane then loads 8 values of a
+// position as 8 bytes, or 16 as one 16-byte load (AttnConfig::VALS), and widens them to f32 like bf16 ones.
 //
 // The paged_attention_rope kernels serve decode batches (one query token per sequence) and take the place
 // of the RoPE kernel there: each block rotates its group's query heads itself, and the block holding the
@@ -201,7 +201,7 @@ __device__ void paged_attention(const bf16* __restrict__ qkv, int width, const u
                 });
             } else if (warp == 0) {
                 const uint4* vrow = reinterpret_cast<const uint4*>(krow + (size_t)num_kv_heads * D);
-                using Vec8 = typename KvVec<KV>::type;
+                using Vec8 = KvVec8<KV>;
                 for (int i = lane; i < D / 8; i += 32) {
                     const Vec8 v = kv_pack8<KV>(__ldcg(vrow + i));
                     reinterpret_cast<Vec8*>(v_cache + at)[i] = v;

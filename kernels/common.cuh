@@ -30,6 +30,9 @@ __device__ __forceinline__ void kernel_begin() {
     pdl_launch_dependents();
 }
 
+// A shared-memory pointer as the 32-bit address PTX instructions on shared memory take.
+__device__ __forceinline__ u32 smem_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
+
 // Round through bf16: used where transformers rounds an intermediate to bf16, so our outputs match it.
 __device__ __forceinline__ float bf16r(float x) { return __bfloat162float(__float2bfloat16(x)); }
 

@@ -9,8 +9,6 @@
 #define BULK_WARPS 8
 
 #if __CUDA_ARCH__ >= 900
-__device__ __forceinline__ u32 smem_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
-
 __device__ __forceinline__ void mbar_init(unsigned long long* bar, u32 count) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(count) : "memory");
 }

@@ -1,4 +1,4 @@
-// The element types of the paged KV cache and their 8-value vectors. bf16 is the default; fp8 (e4m3, selected by
+// The element types of the paged KV cache and their vectors of 8 or 16 values. bf16 is the default; fp8 (e4m3, selected by
 // Config(kv_cache_dtype="fp8")) halves the bytes every decode step reads. fp8 values are stored unscaled,
 // rounded to nearest and saturated at +-448 (vLLM's fp8 cache without calibrated scales does the same): K and V
 // of these models are well inside that range, and what is lost is precision (3 mantissa bits), not range.
@@ -8,18 +8,6 @@
 #include "common.cuh"
 
 typedef __nv_fp8_storage_t fp8;  // one e4m3 byte
-
-// Eight cache elements as one vector load: 16 bytes of bf16, 8 bytes of fp8.
-template <typename KV>
-struct KvVec;
-template <>
-struct KvVec<bf16> {
-    typedef uint4 type;
-};
-template <>
-struct KvVec<fp8> {
-    typedef uint2 type;
-};
 
 // The 8 values of one vector as floats (exact for both: every bf16 and e4m3 value is an f32).
 __device__ __forceinline__ void kv_unpack8(const uint4& raw, float out[8]) { unpack8(raw, out); }
@@ -40,6 +28,10 @@ struct KvLoad {
     static_assert(VALS * sizeof(KV) == 16 || VALS * sizeof(KV) == 8, "a load is 8 or 16 bytes");
     typedef typename std::conditional<VALS * sizeof(KV) == 16, uint4, uint2>::type type;
 };
+
+// Eight cache elements as one vector: 16 bytes of bf16, 8 bytes of fp8.
+template <typename KV>
+using KvVec8 = typename KvLoad<KV, 8>::type;
 
 // The VALS values of one load as floats.
 template <typename KV, int VALS>
@@ -65,7 +57,7 @@ __device__ __forceinline__ fp8 kv_from_bf16<fp8>(bf16 v) {
 
 // Eight bf16 values (one 16-byte word) as one cache vector.
 template <typename KV>
-__device__ __forceinline__ typename KvVec<KV>::type kv_pack8(const uint4& raw);
+__device__ __forceinline__ KvVec8<KV> kv_pack8(const uint4& raw);
 template <>
 __device__ __forceinline__ uint4 kv_pack8<bf16>(const uint4& raw) { return raw; }
 template <>

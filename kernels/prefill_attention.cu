@@ -3,7 +3,7 @@
 // rotated and written by the RoPE kernel) through shared memory PF_BK positions at a time. Each K/V tile is read
 // once per tile of queries instead of once per query token, and the products run as bf16 mma.sync with f32
 // accumulation (flash-attention's online softmax), so long prompts are bound by tensor-core throughput rather
-// than by re-reading K and V. Decode steps keep the paged kernel in attention.cu.
+// than by re-reading K and V. Decode steps keep the paged kernel in attention.cuh.
 //
 // An fp8 cache (kernels/kv_cache.cuh) is widened to bf16 on its way to shared memory, so the products are the same
 // bf16 mma.sync: its tiles go through registers (loaded for tile j + 1 before tile j computes, stored after)
@@ -20,8 +20,6 @@
 #define PF_BK 32       // key positions per shared-memory tile
 #define PF_THREADS 128
 #define PF_PAD 8       // bf16 of padding per shared row: rows 16 bytes apart mod 128, so ldmatrix is conflict-free
-
-__device__ __forceinline__ u32 smem_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
 
 // 16 bytes global -> shared without registers; src_bytes = 0 writes zeros (positions past the context).
 __device__ __forceinline__ void cp_async16(void* dst, const void* src, int src_bytes) {
@@ -61,14 +59,20 @@ struct TileVecs {
     static constexpr int PER_THREAD = PF_BK * CHUNKS / PF_THREADS;
 };
 
+// The row (position) and column of piece i of this thread's share of a tile.
+template <int D>
+__device__ __forceinline__ void tile_cell(int i, int& row, int& col) {
+    const int e = threadIdx.x + i * PF_THREADS;
+    row = e / TileVecs<D>::CHUNKS;
+    col = (e % TileVecs<D>::CHUNKS) * 8;
+}
+
 // Where piece i of this thread's share of the tile at p0 sits: its row and column in the tile, and its element
 // offset in the cache (valid = false from `end` on).
 template <int D>
 __device__ __forceinline__ bool tile_piece(int i, int p0, int end, const u32* __restrict__ table, int block_size,
                                            int num_kv_heads, int g, int& row, int& col, size_t& at) {
-    const int e = threadIdx.x + i * PF_THREADS;
-    row = e / TileVecs<D>::CHUNKS;
-    col = (e % TileVecs<D>::CHUNKS) * 8;
+    tile_cell<D>(i, row, col);
     const int p = p0 + row;
     if (p >= end) return false;
     const u32 blk = __ldg(table + p / block_size);
@@ -117,8 +121,8 @@ template <int D>
 __device__ __forceinline__ void stash_kv_tile(PrefillTiles<D>& sm, int s, const Fp8Tile<D>& r) {
 #pragma unroll
     for (int i = 0; i < TileVecs<D>::PER_THREAD; i++) {
-        const int e = threadIdx.x + i * PF_THREADS;
-        const int row = e / TileVecs<D>::CHUNKS, col = (e % TileVecs<D>::CHUNKS) * 8;
+        int row, col;
+        tile_cell<D>(i, row, col);
         *reinterpret_cast<uint4*>(&sm.k[s][row][col]) = kv_to_bf16x8(r.k[i]);
         *reinterpret_cast<uint4*>(&sm.v[s][row][col]) = kv_to_bf16x8(r.v[i]);
     }

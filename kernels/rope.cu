@@ -14,7 +14,7 @@ __device__ void rope_write_kv(bf16* __restrict__ qkv, int width, const float* __
                               const float* __restrict__ k_norm, int has_norm, float eps, const u32* __restrict__ positions,
                               const u32* __restrict__ slots, KV* __restrict__ k_cache, KV* __restrict__ v_cache,
                               int num_heads, int num_kv_heads, int head_dim, float theta, int block_size) {
-    using Vec = typename KvVec<KV>::type;
+    using Vec = KvVec8<KV>;
     const int t = blockIdx.x, lane = threadIdx.x & 31;
     const int h = blockIdx.y * ROPE_WARPS + (threadIdx.x >> 5);
     // Batch metadata may be read before the wait (common.cuh says why).

@@ -82,9 +82,11 @@ def hf_logits(path: Path, seqs: list[list[int]]) -> list["torch.Tensor"]:
     return out
 
 
-def forced_logits(model, ids: list[int]) -> "torch.Tensor":
+def forced_logits(model, ids: list[int], past_key_values=None) -> "torch.Tensor":
+    """The model's logits at every position of `ids`, teacher-forced (through `past_key_values` when given)."""
     with torch.no_grad():
-        return model(torch.tensor([ids], device="cuda")).logits[0].float().cpu()
+        out = model(torch.tensor([ids], device="cuda"), past_key_values=past_key_values, use_cache=True)
+        return out.logits[0].float().cpu()
 
 
 # A reference top-2 gap below this many bf16 ulps of the top logit is a tie that rounding alone can flip.
@@ -398,8 +400,7 @@ def test_fp8_kv_cache_matches_transformers_with_fp8_rounded_cache(name: str, mod
         with torch.no_grad():
             ids = torch.tensor([p], device="cuda")
             ref = model.generate(ids, max_new_tokens=12, do_sample=False, past_key_values=fp8_rounded_cache())[0, len(p):].tolist()
-            forced = model(torch.tensor([p + ref], device="cuda"), past_key_values=fp8_rounded_cache(), use_cache=True)
-        rows = forced.logits[0].float().cpu()[len(p) - 1 : len(p) - 1 + len(ref)]
+        rows = forced_logits(model, p + ref, fp8_rounded_cache())[len(p) - 1 : len(p) - 1 + len(ref)]
         assert_fp8_greedy_agrees(out.output_ids, ref, rows, (name, len(p)))
         expected = torch.log_softmax(rows[0], -1)
         for tok, value in out.logprobs[0].top[:10]:

@@ -151,8 +151,7 @@ pub struct ModelInfo {
     pub block_size: usize,
     pub max_batch_size: usize,
     pub max_prefill_tokens: usize,
-    /// "auto" or "fp8" (Config::kv_cache_dtype).
-    pub kv_cache_dtype: String,
+    pub kv_cache_dtype: KvCacheDtype,
     pub eos_token_ids: Vec<u32>,
 }
 
@@ -235,7 +234,7 @@ impl RuntimeCoordinator {
             block_size: config.block_size,
             max_batch_size: config.max_batch_size,
             max_prefill_tokens: config.max_prefill_tokens,
-            kv_cache_dtype: config.kv_cache_dtype.name().to_string(),
+            kv_cache_dtype: config.kv_cache_dtype,
             eos_token_ids: model_config.eos_token_ids.clone(),
         };
         let intents = IntentBuilder {

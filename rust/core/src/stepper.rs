@@ -3,9 +3,9 @@
 use std::sync::Arc;
 use std::time::Instant;
 
+use crate::backend::KvCacheDtype;
 use crate::error::{protocol, Error, Result};
 use crate::ids::{ResidentRef, SequenceIdentity, StepId};
-use crate::backend::KvCacheDtype;
 use crate::model::{ForwardBatch, ModelRunner, SeqSlice, StepTiming};
 use crate::request::FinishReason;
 use crate::sampling::{resolve_seed, RowContext, Sampled};

@@ -41,7 +41,7 @@ pub fn info_dict<'py>(py: Python<'py>, i: &ModelInfo) -> PyResult<Bound<'py, PyD
     d.set_item("block_size", i.block_size)?;
     d.set_item("max_batch_size", i.max_batch_size)?;
     d.set_item("max_prefill_tokens", i.max_prefill_tokens)?;
-    d.set_item("kv_cache_dtype", &i.kv_cache_dtype)?;
+    d.set_item("kv_cache_dtype", i.kv_cache_dtype.name())?;
     d.set_item("eos_token_ids", &i.eos_token_ids)?;
     Ok(d)
 }
