@@ -8,6 +8,12 @@ launches and GPU time per tick.
     python3 benchmarks/gpu_profile.py --models /tmp/gm --shape qwen3 --batch 256 --context 256
     STEPLLM_NO_PDL=1 python3 benchmarks/gpu_profile.py --shape qwen3 --batch 1 --context 128
 
+--mixed profiles gpu_decode.py's mixed workload through the engine instead (256 requests, prompt and output
+lengths uniform in [100, 1024]) and sums GPU time by kernel family, twice: the whole workload, and the same
+requests with max_tokens 1 (their prefills and first tokens), so that the decode steps' share is the difference:
+
+    STEPLLM_NO_PDL=1 python3 benchmarks/gpu_profile.py --models /tmp/gm --shape qwen3 --mixed --kv-cache-dtype fp8
+
 With programmatic dependent launch (the default on Hopper) a kernel's time includes the part it spent waiting
 for its predecessor, so per-kernel figures overlap; set STEPLLM_NO_PDL=1 for a breakdown that adds up.
 """
@@ -21,7 +27,7 @@ from pathlib import Path
 
 import gpu_models
 import stepllm
-from gpu_decode import seat_residents
+from gpu_decode import mixed_kv_tokens, mixed_workload, seat_residents
 
 
 def profile_ticks(path: Path, batch: int, context: int, ticks: int, graphs: bool) -> tuple[dict[str, list[float]], float]:
@@ -59,6 +65,84 @@ def profile_ticks(path: Path, batch: int, context: int, ticks: int, graphs: bool
     return kernels, total
 
 
+# Kernel families by a fragment of the kernel name, first match wins (our kernels' names are in kernels/*.cu;
+# cuBLAS's vary by version, so every other name with "gemm", "nvjet", "xmma" or "cutlass" counts as cuBLAS).
+FAMILIES = [
+    ("prefill attention", ("prefill_attention",)),
+    ("decode attention", ("paged_attention", "attention_")),
+    ("GEMV (ours)", ("gemv",)),
+    ("cuBLAS GEMM", ("gemm", "nvjet", "xmma", "cutlass", "splitk", "splitK")),
+    ("RoPE + KV write", ("rope",)),
+    ("RMSNorm", ("rms_norm",)),
+    ("SiLU, bias, residual add", ("silu", "add_bias", "add_into")),
+    ("sampling, argmax", ("sample", "argmax", "softmax", "top_")),
+    ("embedding, row select", ("embed", "select_rows")),
+]
+
+
+def family(name: str) -> str:
+    return next((f for f, keys in FAMILIES if any(k in name for k in keys)), "other")
+
+
+def profile_mixed(path: Path, kv_cache_dtype: str, first_token_only: bool) -> tuple[dict[str, list[float]], float, int]:
+    """GPU time per kernel over gpu_decode.py's mixed workload through the engine: (kernels, wall s, tokens)."""
+    import json
+    import time
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    vocab = json.loads((path / "config.json").read_text())["vocab_size"]
+    work = mixed_workload(vocab)
+    if first_token_only:
+        work = [(p, 1) for p, _ in work]
+    cfg = stepllm.Config(model=str(path), device="cuda", max_batch_size=len(work), block_size=16,
+                         kv_cache_tokens=mixed_kv_tokens(work, 16), kv_cache_dtype=kv_cache_dtype)
+    engine = stepllm.Engine(cfg)
+    try:
+        def request(ids: list[int], out: int) -> stepllm.GenerationRequest:
+            return stepllm.GenerationRequest(ids, stepllm.SamplingParams(max_tokens=out, temperature=0.0, ignore_eos=True))
+
+        engine.submit(request(list(range(2, 18)), 4)).wait()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            t = time.perf_counter()
+            out = [s.wait() for s in [engine.submit(request(p, o)) for p, o in work]]
+            wall = time.perf_counter() - t
+            torch.cuda.synchronize()
+    finally:
+        engine.shutdown()
+    kernels: dict[str, list[float]] = {}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            kernels.setdefault(event.name[:60], []).append(event.device_time)
+    return kernels, wall, sum(len(r.output_ids) for r in out)
+
+
+def print_mixed(models: Path, shape: str, kv_cache_dtype: str, top: int) -> None:
+    runs = {}
+    for label, first_only in (("prefills and first tokens", True), ("whole workload", False)):
+        kernels, wall, tokens = profile_mixed(gpu_models.make(shape, models), kv_cache_dtype, first_only)
+        fams: dict[str, float] = {}
+        for name, times in kernels.items():
+            fams[family(name)] = fams.get(family(name), 0.0) + sum(times) / 1e6
+        runs[label] = (fams, wall, tokens, kernels)
+        print(f"{shape}, mixed workload ({label}), kv cache {kv_cache_dtype}: wall {wall:.3f} s, {tokens} tokens, "
+              f"GPU kernel time {sum(fams.values()):.3f} s", flush=True)
+    first, whole = runs["prefills and first tokens"], runs["whole workload"]
+    print("\n| kernel family | prefills + first tokens, s | whole workload, s | decode steps (difference), s |")
+    print("|---|---|---|---|")
+    for fam in sorted(whole[0], key=lambda f: -whole[0][f]):
+        a, b = first[0].get(fam, 0.0), whole[0][fam]
+        print(f"| {fam} | {a:.3f} | {b:.3f} | {b - a:.3f} |")
+    a, b = sum(first[0].values()), sum(whole[0].values())
+    print(f"| all kernels | {a:.3f} | {b:.3f} | {b - a:.3f} |")
+    print(f"| wall | {first[1]:.3f} | {whole[1]:.3f} | {whole[1] - first[1]:.3f} |")
+    print("\nTop kernels of the whole workload:\n\n| kernel | family | launches | us each | s |\n|---|---|---|---|---|")
+    for name, times in sorted(whole[3].items(), key=lambda kv: -sum(kv[1]))[:top]:
+        print(f"| {name} | {family(name)} | {len(times)} | {sum(times) / len(times):.2f} | {sum(times) / 1e6:.3f} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", default="/tmp/gpu_models")
@@ -68,7 +152,12 @@ def main() -> None:
     ap.add_argument("--ticks", type=int, default=20)
     ap.add_argument("--no-graphs", action="store_true", help="decode eagerly instead of replaying CUDA graphs")
     ap.add_argument("--top", type=int, default=14, help="kernels to list")
+    ap.add_argument("--mixed", action="store_true", help="profile the mixed workload through the engine instead")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
     args = ap.parse_args()
+    if args.mixed:
+        print_mixed(Path(args.models), args.shape, args.kv_cache_dtype, args.top)
+        return
     path = gpu_models.make(args.shape, Path(args.models))
     kernels, total = profile_ticks(path, args.batch, args.context, args.ticks, not args.no_graphs)
     pdl = "off" if os.environ.get("STEPLLM_NO_PDL") else "on (per-kernel times overlap)"

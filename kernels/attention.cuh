@@ -96,6 +96,167 @@ struct RopeArgs {
     const u32* slots;
 };
 
+// Token t's context and the positions [begin, end) of its split `split` (nsplits of them). The batch metadata
+// (positions, sequences, block tables) may be read before the previous kernel is done (common.cuh), so these
+// three dependent round trips overlap that kernel's tail; q and the cache wait.
+struct SplitRange {
+    int ctx, nsplits, begin, end;
+    const u32* table;  // the sequence's block table
+};
+
+// False (block-uniform) when the split is past the context.
+__device__ __forceinline__ bool split_range(const u32* __restrict__ positions, const u32* __restrict__ token_seq,
+                                            const u32* __restrict__ seq_info, const u32* __restrict__ block_tables,
+                                            int t, int split, int max_splits, SplitRange& r) {
+    r.ctx = (int)positions[t] + 1;
+    const u32 seq = token_seq[t];
+    r.table = block_tables + seq_info[seq * 5 + 3];
+    // chunk = ceil(ctx / splits) rounded up to a multiple of MIN_CHUNK; nsplits <= min(gridDim.z, MAX_SPLITS).
+    const int chunk = MIN_CHUNK * ceil_div(r.ctx, MIN_CHUNK * min(max_splits, MAX_SPLITS));
+    if (split * chunk >= r.ctx) return false;
+    r.nsplits = ceil_div(r.ctx, chunk);
+    r.begin = split * chunk;
+    r.end = min(r.ctx, r.begin + chunk);
+    return true;
+}
+
+// After every warp has put its state in s_acc / s_ml (and a barrier): merge the warps; store the output of
+// token t's G heads of kv head g, or with split-K this split's state, and let the last split to finish merge them
+// all.
+template <int D, int G>
+__device__ __forceinline__ void merge_and_store(const float (*s_acc)[G][D], const float2 (*s_ml)[G],
+                                                float2 (*s_split_ml)[MAX_SPLITS], int t, int g, int num_kv_heads,
+                                                int split, int max_splits, int nsplits, bf16* __restrict__ out,
+                                                float* __restrict__ partial, u32* __restrict__ counters) {
+    constexpr int V4 = D / 4;  // float4 columns per head
+    __shared__ bool is_last;
+    const int num_heads = num_kv_heads * G;
+    // Merge the warps: every thread takes float4 columns of the G heads.
+    const size_t rows = (size_t)gridDim.x * num_heads * max_splits;
+    float* p_acc = partial;                                     // [rows][D]
+    float2* p_ml = reinterpret_cast<float2*>(partial + rows * D);  // [rows]
+    for (int e = threadIdx.x; e < G * V4; e += ATTN_THREADS) {
+        const int h = e / V4, d = (e % V4) * 4;
+        float mw[ATTN_WARPS], mx = -INFINITY;
+#pragma unroll
+        for (int w = 0; w < ATTN_WARPS; w++) {
+            mw[w] = s_ml[w][h].x;
+            mx = fmaxf(mx, mw[w]);
+        }
+        float ls = 0.0f, a[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+        for (int w = 0; w < ATTN_WARPS; w++) {
+            const float c = mw[w] == -INFINITY ? 0.0f : fast_exp2(mw[w] - mx);
+            const float4 x = *reinterpret_cast<const float4*>(&s_acc[w][h][d]);
+            ls += s_ml[w][h].y * c;
+            a[0] += x.x * c, a[1] += x.y * c, a[2] += x.z * c, a[3] += x.w * c;
+        }
+        if (nsplits == 1) {
+            const float inv = 1.0f / ls;
+            store4_bf16(out + (size_t)t * num_heads * D + (size_t)(g * G + h) * D + d, a[0] * inv, a[1] * inv,
+                        a[2] * inv, a[3] * inv);
+        } else {
+            const size_t row = ((size_t)t * num_heads + g * G + h) * max_splits + split;
+            __stcg(reinterpret_cast<float4*>(p_acc + row * D + d), make_float4(a[0], a[1], a[2], a[3]));
+            if (d == 0) __stcg(p_ml + row, make_float2(mx, ls));
+        }
+    }
+    if (nsplits == 1) return;  // block-uniform
+
+    // Split-K: publish this block's state, and let the last block of (token, kv head) merge them all.
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        const u32 ticket = atomicAdd(&counters[t * num_kv_heads + g], 1u);
+        is_last = ticket == (u32)nsplits - 1;
+    }
+    __syncthreads();
+    if (!is_last) return;
+    __threadfence();
+    // One round trip (two for G * D > 4 * ATTN_THREADS): each thread issues the loads of its first column's
+    // partial sums of every split, while threads of G * MAX_SPLITS (m, l) pairs stage them in shared memory.
+    const size_t row_t = (size_t)t * num_heads + g * G;
+    float4 pa[MAX_SPLITS];
+    {
+        const int e = threadIdx.x, h = e / V4, d = (e % V4) * 4;
+        const size_t row0 = (row_t + h) * max_splits;
+        if (e < G * V4) {
+#pragma unroll
+            for (int s = 0; s < MAX_SPLITS; s++)
+                if (s < nsplits) pa[s] = __ldcg(reinterpret_cast<const float4*>(p_acc + (row0 + s) * D + d));
+        }
+    }
+    static_assert(G * MAX_SPLITS <= ATTN_THREADS, "one (m, l) pair per thread");
+    if (threadIdx.x < G * MAX_SPLITS) {
+        const int h = threadIdx.x / MAX_SPLITS, s = threadIdx.x % MAX_SPLITS;
+        s_split_ml[h][s] = s < nsplits ? __ldcg(p_ml + (row_t + h) * max_splits + s) : make_float2(-INFINITY, 0.0f);
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e < G * V4; e += ATTN_THREADS) {
+        const int h = e / V4, d = (e % V4) * 4;
+        if (e >= ATTN_THREADS) {  // later columns (only when G * D > 4 * ATTN_THREADS)
+            const size_t row0 = (row_t + h) * max_splits;
+#pragma unroll
+            for (int s = 0; s < MAX_SPLITS; s++)
+                if (s < nsplits) pa[s] = __ldcg(reinterpret_cast<const float4*>(p_acc + (row0 + s) * D + d));
+        }
+        float mx = -INFINITY;
+#pragma unroll
+        for (int s = 0; s < MAX_SPLITS; s++)
+            if (s < nsplits) mx = fmaxf(mx, s_split_ml[h][s].x);
+        float ls = 0.0f, a[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+        for (int s = 0; s < MAX_SPLITS; s++) {
+            if (s < nsplits) {
+                const float2 ml = s_split_ml[h][s];
+                const float c = ml.x == -INFINITY ? 0.0f : fast_exp2(ml.x - mx);
+                ls += ml.y * c;
+                a[0] += pa[s].x * c, a[1] += pa[s].y * c, a[2] += pa[s].z * c, a[3] += pa[s].w * c;
+            }
+        }
+        const float inv = 1.0f / ls;
+        store4_bf16(out + (size_t)t * num_heads * D + (size_t)(g * G + h) * D + d, a[0] * inv, a[1] * inv,
+                    a[2] * inv, a[3] * inv);
+    }
+    if (threadIdx.x == 0) counters[t * num_kv_heads + g] = 0;
+}
+
+// The decode kernels' share of RoPE: rotate the G query heads of token t (kv head g) into s_q (times
+// q_factor), and when this block's split holds the newest position, rotate its K and write K and V to the
+// cache and to s_new (the main loop reads the newest position from there). Every thread calls it; the caller's
+// barrier publishes s_q and s_new.
+template <int D, int G, typename KV>
+__device__ __forceinline__ void rotate_newest(const bf16* __restrict__ qkv, int width, int t, int g, int num_kv_heads,
+                                              int ctx, bool holds_newest, const RopeArgs& rope, KV* k_cache,
+                                              KV* v_cache, int block_size, float q_factor, float (*s_q)[D],
+                                              KV (*s_new)[D]) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const bf16* qrow = qkv + (size_t)t * width + (size_t)g * G * D;
+    const float pos = (float)(ctx - 1);
+    for (int h = warp; h < G; h += ATTN_WARPS) {
+        rope_head(qrow + h * D, rope.q_norm, rope.eps, pos, rope.theta, D, lane,
+                  [&](int i, bf16 v) { s_q[h][i] = __bfloat162float(v) * q_factor; });
+    }
+    if (!holds_newest) return;
+    const size_t at = cache_offset(rope.slots[t], g, num_kv_heads, block_size, D);
+    const bf16* krow = qkv + (size_t)t * width + (size_t)(num_kv_heads * G + g) * D;
+    if (warp == ATTN_WARPS - 1) {
+        rope_head(krow, rope.k_norm, rope.eps, pos, rope.theta, D, lane, [&](int i, bf16 v) {
+            const KV k = kv_from_bf16<KV>(v);
+            k_cache[at + i] = k;
+            s_new[0][i] = k;
+        });
+    } else if (warp == 0) {
+        const uint4* vrow = reinterpret_cast<const uint4*>(krow + (size_t)num_kv_heads * D);
+        using Vec8 = KvVec8<KV>;
+        for (int i = lane; i < D / 8; i += 32) {
+            const Vec8 v = kv_pack8<KV>(__ldcg(vrow + i));
+            reinterpret_cast<Vec8*>(v_cache + at)[i] = v;
+            reinterpret_cast<Vec8*>(s_new[1])[i] = v;
+        }
+    }
+}
+
 // grid: (tokens, num_kv_heads, max_splits); block: ATTN_THREADS. D = head_dim, G = query heads per kv head.
 // ROPE: q and k in qkv are not rotated yet and every sequence has one query token (see the top of the file).
 // seq_info holds 5 u32 per sequence: start, len, past_len, table_start, table_len.
@@ -118,7 +279,6 @@ __device__ void paged_attention(const bf16* __restrict__ qkv, int width, const u
     constexpr int U = AttnConfig<D, G, KV>::U;  // sub-steps whose loads are in flight together
     constexpr bool Q_SHARED = AttnConfig<D, G, KV>::Q_SHARED;
     constexpr int STEP = NG * U;            // positions per block per step
-    constexpr int V4 = D / 4;               // float4 columns per head
     static_assert(D % VALS == 0 && 32 % LANES == 0, "head_dim must be 64 or 128 (or another 8 * 2^k <= 256)");
 
     __shared__ __align__(16) float s_acc[ATTN_WARPS][G][D];
@@ -128,25 +288,16 @@ __device__ void paged_attention(const bf16* __restrict__ qkv, int width, const u
     __shared__ __align__(16) float s_q[Q_SHARED || ROPE ? G : 1][D];
     __shared__ float2 s_split_ml[G][MAX_SPLITS];
     __shared__ __align__(16) KV s_new[ROPE ? 2 : 1][D];  // the newest position's K and V as cached (ROPE)
-    __shared__ bool is_last;
 
     const int t = blockIdx.x, g = blockIdx.y, split = blockIdx.z, max_splits = gridDim.z;
-    const int num_heads = num_kv_heads * G;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int li = lane % LANES, gi = lane / LANES;
     const float qscale = scale * 1.4426950408889634f;  // scores in log2 units
 
-    // The batch metadata (positions, sequences, block tables) may be read before the previous kernel is done
-    // (common.cuh), so its three dependent round trips overlap that kernel's tail; q and the cache wait.
-    const int ctx = (int)positions[t] + 1;
-    const u32 seq = token_seq[t];
-    const u32* table = block_tables + seq_info[seq * 5 + 3];
-
-    // chunk = ceil(ctx / splits) rounded up to a multiple of MIN_CHUNK; nsplits <= min(gridDim.z, MAX_SPLITS).
-    const int chunk = MIN_CHUNK * ceil_div(ctx, MIN_CHUNK * min(max_splits, MAX_SPLITS));
-    if (split * chunk >= ctx) return;  // block-uniform: this split is past the context
-    const int nsplits = ceil_div(ctx, chunk);
-    const int begin = split * chunk, end = min(ctx, begin + chunk);
+    SplitRange range;
+    if (!split_range(positions, token_seq, seq_info, block_tables, t, split, max_splits, range)) return;
+    const int ctx = range.ctx, nsplits = range.nsplits, begin = range.begin, end = range.end;
+    const u32* table = range.table;
 
     const FastDiv bdiv((u32)block_size);
     const int off0 = warp * GROUPS + gi;  // this lane-group's position within a sub-step
@@ -185,30 +336,8 @@ __device__ void paged_attention(const bf16* __restrict__ qkv, int width, const u
     const bf16* qrow = qkv + (size_t)t * width + (size_t)g * G * D;
     float q[Q_SHARED ? 1 : G][VALS];
     if constexpr (ROPE) {
-        const float pos = (float)(ctx - 1);
-        for (int h = warp; h < G; h += ATTN_WARPS) {
-            rope_head(qrow + h * D, rope.q_norm, rope.eps, pos, rope.theta, D, lane,
-                      [&](int i, bf16 v) { s_q[h][i] = __bfloat162float(v) * qscale; });
-        }
-        if (end == ctx) {  // this split holds the newest position: put its K and V in the cache first
-            const size_t at = cache_offset(rope.slots[t], g, num_kv_heads, block_size, D);
-            const bf16* krow = qkv + (size_t)t * width + (size_t)(num_heads + g) * D;
-            if (warp == ATTN_WARPS - 1) {
-                rope_head(krow, rope.k_norm, rope.eps, pos, rope.theta, D, lane, [&](int i, bf16 v) {
-                    const KV k = kv_from_bf16<KV>(v);
-                    k_cache[at + i] = k;
-                    s_new[0][i] = k;
-                });
-            } else if (warp == 0) {
-                const uint4* vrow = reinterpret_cast<const uint4*>(krow + (size_t)num_kv_heads * D);
-                using Vec8 = KvVec8<KV>;
-                for (int i = lane; i < D / 8; i += 32) {
-                    const Vec8 v = kv_pack8<KV>(__ldcg(vrow + i));
-                    reinterpret_cast<Vec8*>(v_cache + at)[i] = v;
-                    reinterpret_cast<Vec8*>(s_new[1])[i] = v;
-                }
-            }
-        }
+        rotate_newest<D, G, KV>(qkv, width, t, g, num_kv_heads, ctx, end == ctx, rope, k_cache, v_cache, block_size,
+                                qscale, s_q, s_new);
         // The barrier before the main loop publishes s_q and the new K/V to the whole block.
     } else if constexpr (Q_SHARED) {
         constexpr int QV = (G * D / 8 + ATTN_THREADS - 1) / ATTN_THREADS;
@@ -369,97 +498,52 @@ __device__ void paged_attention(const bf16* __restrict__ qkv, int width, const u
     }
     __syncthreads();
 
-    // Merge the warps: every thread takes float4 columns of the G heads.
-    const size_t rows = (size_t)gridDim.x * num_heads * max_splits;
-    float* p_acc = partial;                                     // [rows][D]
-    float2* p_ml = reinterpret_cast<float2*>(partial + rows * D);  // [rows]
-    for (int e = threadIdx.x; e < G * V4; e += ATTN_THREADS) {
-        const int h = e / V4, d = (e % V4) * 4;
-        float mw[ATTN_WARPS], mx = -INFINITY;
-#pragma unroll
-        for (int w = 0; w < ATTN_WARPS; w++) {
-            mw[w] = s_ml[w][h].x;
-            mx = fmaxf(mx, mw[w]);
-        }
-        float ls = 0.0f, a[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-        for (int w = 0; w < ATTN_WARPS; w++) {
-            const float c = mw[w] == -INFINITY ? 0.0f : fast_exp2(mw[w] - mx);
-            const float4 x = *reinterpret_cast<const float4*>(&s_acc[w][h][d]);
-            ls += s_ml[w][h].y * c;
-            a[0] += x.x * c, a[1] += x.y * c, a[2] += x.z * c, a[3] += x.w * c;
-        }
-        if (nsplits == 1) {
-            const float inv = 1.0f / ls;
-            store4_bf16(out + (size_t)t * num_heads * D + (size_t)(g * G + h) * D + d, a[0] * inv, a[1] * inv,
-                        a[2] * inv, a[3] * inv);
-        } else {
-            const size_t row = ((size_t)t * num_heads + g * G + h) * max_splits + split;
-            __stcg(reinterpret_cast<float4*>(p_acc + row * D + d), make_float4(a[0], a[1], a[2], a[3]));
-            if (d == 0) __stcg(p_ml + row, make_float2(mx, ls));
-        }
-    }
-    if (nsplits == 1) return;  // block-uniform
-
-    // Split-K: publish this block's state, and let the last block of (token, kv head) merge them all.
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        const u32 ticket = atomicAdd(&counters[t * num_kv_heads + g], 1u);
-        is_last = ticket == (u32)nsplits - 1;
-    }
-    __syncthreads();
-    if (!is_last) return;
-    __threadfence();
-    // One round trip (two for G * D > 4 * ATTN_THREADS): each thread issues the loads of its first column's
-    // partial sums of every split, while threads of G * MAX_SPLITS (m, l) pairs stage them in shared memory.
-    const size_t row_t = (size_t)t * num_heads + g * G;
-    float4 pa[MAX_SPLITS];
-    {
-        const int e = threadIdx.x, h = e / V4, d = (e % V4) * 4;
-        const size_t row0 = (row_t + h) * max_splits;
-        if (e < G * V4) {
-#pragma unroll
-            for (int s = 0; s < MAX_SPLITS; s++)
-                if (s < nsplits) pa[s] = __ldcg(reinterpret_cast<const float4*>(p_acc + (row0 + s) * D + d));
-        }
-    }
-    static_assert(G * MAX_SPLITS <= ATTN_THREADS, "one (m, l) pair per thread");
-    if (threadIdx.x < G * MAX_SPLITS) {
-        const int h = threadIdx.x / MAX_SPLITS, s = threadIdx.x % MAX_SPLITS;
-        s_split_ml[h][s] = s < nsplits ? __ldcg(p_ml + (row_t + h) * max_splits + s) : make_float2(-INFINITY, 0.0f);
-    }
-    __syncthreads();
-    for (int e = threadIdx.x; e < G * V4; e += ATTN_THREADS) {
-        const int h = e / V4, d = (e % V4) * 4;
-        if (e >= ATTN_THREADS) {  // later columns (only when G * D > 4 * ATTN_THREADS)
-            const size_t row0 = (row_t + h) * max_splits;
-#pragma unroll
-            for (int s = 0; s < MAX_SPLITS; s++)
-                if (s < nsplits) pa[s] = __ldcg(reinterpret_cast<const float4*>(p_acc + (row0 + s) * D + d));
-        }
-        float mx = -INFINITY;
-#pragma unroll
-        for (int s = 0; s < MAX_SPLITS; s++)
-            if (s < nsplits) mx = fmaxf(mx, s_split_ml[h][s].x);
-        float ls = 0.0f, a[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-        for (int s = 0; s < MAX_SPLITS; s++) {
-            if (s < nsplits) {
-                const float2 ml = s_split_ml[h][s];
-                const float c = ml.x == -INFINITY ? 0.0f : fast_exp2(ml.x - mx);
-                ls += ml.y * c;
-                a[0] += pa[s].x * c, a[1] += pa[s].y * c, a[2] += pa[s].z * c, a[3] += pa[s].w * c;
-            }
-        }
-        const float inv = 1.0f / ls;
-        store4_bf16(out + (size_t)t * num_heads * D + (size_t)(g * G + h) * D + d, a[0] * inv, a[1] * inv,
-                    a[2] * inv, a[3] * inv);
-    }
-    if (threadIdx.x == 0) counters[t * num_kv_heads + g] = 0;
+    merge_and_store<D, G>(s_acc, s_ml, s_split_ml, t, g, num_kv_heads, split, max_splits, nsplits, out, partial,
+                          counters);
 }
 
-// The plain and the rotating kernel of one shape and cache element type; NAME is paged_attention[_fp8].
+#include "attention_mma.cuh"  // after FastDiv and ATTN_WARPS, which it uses
+
+// The decode attention with its main loop on tensor cores (kernels/attention_mma.cuh), for caches whose block
+// size is a multiple of 16; the arguments and everything around the loop are those of the ROPE variant above.
+template <int D, int G, typename KV>
+__device__ void paged_attention_mma(const bf16* __restrict__ qkv, int width, const u32* __restrict__ positions,
+                                    const u32* __restrict__ token_seq, const u32* __restrict__ seq_info,
+                                    const u32* __restrict__ block_tables, KV* k_cache, KV* v_cache, int block_size,
+                                    int num_kv_heads, float scale, bf16* __restrict__ out, float* __restrict__ partial,
+                                    u32* __restrict__ counters, RopeArgs rope) {
+    using Mma = MmaDecode<D, G, KV>;
+    __shared__ __align__(16) float s_acc[ATTN_WARPS][G][D];
+    __shared__ __align__(16) float2 s_ml[ATTN_WARPS][G];
+    __shared__ __align__(16) float s_q[G][D];  // rotated, unscaled (the scale is applied to the f32 scores)
+    __shared__ float2 s_split_ml[G][MAX_SPLITS];
+    __shared__ __align__(16) KV s_new[2][D];
+
+    const int t = blockIdx.x, g = blockIdx.y, split = blockIdx.z, max_splits = gridDim.z;
+    SplitRange range;
+    if (!split_range(positions, token_seq, seq_info, block_tables, t, split, max_splits, range)) return;
+    // As in the ROPE variant: the first sub-steps' past K and V are loaded before the wait, all but the newest
+    // position, which this block writes below.
+    const int newest = range.ctx - 1;
+    Mma mma(range.begin, range.end, g, num_kv_heads, block_size, range.table);
+    typename Mma::Regs buf[2];
+    mma.load(buf[0], 0, k_cache, v_cache, newest);
+    mma.load(buf[1], 1, k_cache, v_cache, newest);
+    kernel_begin();
+
+    rotate_newest<D, G, KV>(qkv, width, t, g, num_kv_heads, range.ctx, range.end == range.ctx, rope, k_cache, v_cache,
+                            block_size, 1.0f, s_q, s_new);
+    __syncthreads();
+    mma.patch(buf[0], 0, s_new[0], s_new[1], newest);
+    mma.patch(buf[1], 1, s_new[0], s_new[1], newest);
+    mma.run(buf, k_cache, v_cache, s_q, scale * 1.4426950408889634f);
+    mma.publish(s_acc[threadIdx.x >> 5], s_ml[threadIdx.x >> 5]);
+    __syncthreads();
+    merge_and_store<D, G>(s_acc, s_ml, s_split_ml, t, g, num_kv_heads, split, max_splits, range.nsplits, out, partial,
+                          counters);
+}
+
+// The plain, the rotating and the tensor-core rotating kernel of one shape and cache element type; NAME is paged_attention[_fp8].
 #define ATTENTION_KERNELS(NAME, KV, D, G)                                                                      \
     extern "C" __global__ void __launch_bounds__(ATTN_THREADS, (AttnConfig<D, G, KV>::MIN_BLOCKS))                \
         NAME##_d##D##_g##G(                                                                                     \
@@ -478,6 +562,16 @@ __device__ void paged_attention(const bf16* __restrict__ qkv, int width, const u
         paged_attention<D, G, true, KV>(qkv, width, positions, token_seq, seq_info, block_tables, k_cache,     \
                                         v_cache, block_size, num_kv_heads, scale, out, partial, counters,      \
                                         {q_norm, k_norm, eps, theta, slots});                                   \
+    }                                                                                                           \
+    extern "C" __global__ void __launch_bounds__(ATTN_THREADS, (MmaDecode<D, G, KV>::MIN_BLOCKS))               \
+        NAME##_mma_rope_d##D##_g##G(                                                                            \
+        const bf16* qkv, int width, const u32* positions, const u32* token_seq, const u32* seq_info,           \
+        const u32* block_tables, KV* k_cache, KV* v_cache, int block_size, int num_kv_heads,                    \
+        float scale, bf16* out, float* partial, u32* counters, const float* q_norm, const float* k_norm,        \
+        float eps, float theta, const u32* slots) {                                                             \
+        paged_attention_mma<D, G, KV>(qkv, width, positions, token_seq, seq_info, block_tables, k_cache,       \
+                                      v_cache, block_size, num_kv_heads, scale, out, partial, counters,        \
+                                      {q_norm, k_norm, eps, theta, slots});                                     \
     }
 
 // Every shape the host may ask for (CudaBackend's kernel table lists the same).

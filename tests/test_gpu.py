@@ -447,3 +447,43 @@ def test_fp8_prefix_cache_hit_equals_miss(models_dir: Path) -> None:
     assert hit.cached_prompt_tokens == 32, hit.cached_prompt_tokens
     assert hit.output_ids == miss.output_ids
     assert_released(coord)
+
+
+@pytest.mark.parametrize("name,kv_cache_dtype", [("qwen3", "auto"), ("qwen3", "fp8"), ("smollm2", "auto"), ("smollm2", "fp8")])
+def test_tensor_core_decode_attention_matches_cuda_core_kernel(name: str, kv_cache_dtype: str, models_dir: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """Decode attention runs on tensor cores when the cache's block size is a multiple of 16
+    (kernels/attention_mma.cuh); STEPLLM_NO_MMA_ATTENTION=1 keeps it on the CUDA-core loop, the reference here.
+    Twenty requests, most of them 2,200 tokens long: at this batch the Qwen3 shape's blocks walk whole contexts
+    unsplit (more than one window of 32 prefetched block-table entries per warp), the SmolLM2 shape's in 4 splits;
+    short prompts leave partial 16-position steps. Greedy ids must agree until the reference's first near-tie, and
+    every agreed token's log-probability within the bf16 tolerance. A block size of 32 (several 16-position
+    steps per cache block) must give the same ids, and a block size of 8 takes the CUDA-core loop."""
+    path = gpu_models.make(name, models_dir)
+    vocab = json.loads((path / "config.json").read_text())["vocab_size"]
+    prompts = [[(13 * i + 7 * j) % (vocab - 2) + 2 for i in range(2200)] for j in range(18)] + [PROMPT[:9], PROMPT]
+    reqs = [stepllm.GenerationRequest(p, greedy(8, logprobs=2)) for p in prompts]
+
+    def run(block_size: int = 16) -> list:
+        cfg = stepllm.Config(model=str(path), device="cuda", max_batch_size=24, block_size=block_size,
+                             kv_cache_tokens=24 * 2304, kv_cache_dtype=kv_cache_dtype)
+        coord = stepllm.RuntimeCoordinator(cfg)
+        assert coord.capture_decoding_cuda_graph()
+        return coord.dispatch_request(reqs)
+
+    ours = run()
+    by_32 = run(32)
+    monkeypatch.setenv("STEPLLM_NO_MMA_ATTENTION", "1")
+    ref = run()
+    by_8 = run(8)
+    for k, (g, r, g32, g8) in enumerate(zip(ours, ref, by_32, by_8)):
+        what = (name, kv_cache_dtype, k, len(prompts[k]))
+        assert len(g.output_ids) == len(r.output_ids) == 8, what
+        assert g32.output_ids == g.output_ids, (what, "block size 32", g32.output_ids, g.output_ids)
+        assert g8.output_ids == r.output_ids, (what, "block size 8", g8.output_ids, r.output_ids)
+        for i, (got, want) in enumerate(zip(g.logprobs, r.logprobs)):
+            if got.token_id != want.token_id:
+                (_, best), (_, second) = want.top[:2]
+                assert best - second < 0.25, (what, f"diverged at {i} with a log-probability gap of {best - second:.3f}")
+                break
+            assert abs(got.logprob - want.logprob) < 0.25 + 0.03 * abs(want.logprob), (what, i, got, want)

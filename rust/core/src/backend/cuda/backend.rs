@@ -61,30 +61,36 @@ struct CacheKernels {
     attention: Vec<((usize, usize), Func)>,
     /// The same shapes, rotating q and k themselves (decode batches only).
     attention_rope: Vec<((usize, usize), Func)>,
+    /// The rotating kernels with their main loop on tensor cores (kernels/attention_mma.cuh): decode batches over
+    /// caches whose block size is a multiple of 16.
+    attention_mma: Vec<((usize, usize), Func)>,
     /// (head_dim, kernel): tensor-core attention for prefill steps.
     prefill_attention: Vec<(usize, Func)>,
 }
 
 impl CacheKernels {
-    /// Kernel names: paged_attention[_fp8]_d{D}_g{G} in module attention[_fp8] (kernels/attention.cu,
-    /// attention_fp8.cu), prefill_attention[_fp8]_d{D}, rope_write_kv_{bf16,fp8}.
+    /// Kernel names: paged_attention[_fp8][_rope|_mma_rope]_d{D}_g{G} in module attention[_fp8]
+    /// (kernels/attention.cu, attention_fp8.cu), prefill_attention[_fp8]_d{D}, rope_write_kv_{bf16,fp8}.
     fn load(gpu: &Gpu, dtype: KvCacheDtype) -> Result<Self> {
         let (suffix, element) = match dtype {
             KvCacheDtype::Auto => ("", "bf16"),
             KvCacheDtype::Fp8 => ("_fp8", "fp8"),
         };
         let module = format!("attention{suffix}");
-        let (mut attention, mut attention_rope) = (Vec::new(), Vec::new());
+        let (mut attention, mut attention_rope, mut attention_mma) = (Vec::new(), Vec::new(), Vec::new());
         for (d, groups) in [(64, &[1, 2, 3, 4, 8][..]), (128, &[1, 2, 4, 8][..])] {
             for &g in groups {
-                attention.push(((d, g), gpu.function(&module, &format!("paged_attention{suffix}_d{d}_g{g}"))?));
-                attention_rope.push(((d, g), gpu.function(&module, &format!("paged_attention{suffix}_rope_d{d}_g{g}"))?));
+                let kernel = |variant: &str| gpu.function(&module, &format!("paged_attention{suffix}{variant}_d{d}_g{g}"));
+                attention.push(((d, g), kernel("")?));
+                attention_rope.push(((d, g), kernel("_rope")?));
+                attention_mma.push(((d, g), kernel("_mma_rope")?));
             }
         }
         Ok(Self {
             rope: gpu.function("rope", &format!("rope_write_kv_{element}"))?,
             attention,
             attention_rope,
+            attention_mma,
             prefill_attention: [64, 128]
                 .into_iter()
                 .map(|d| Ok((d, gpu.function("prefill_attention", &format!("prefill_attention{suffix}_d{d}"))?)))
@@ -277,6 +283,8 @@ pub(super) struct Inner {
     gemv: Gemv,
     /// STEPLLM_NO_TILED_PREFILL=1 keeps prefill on the paged attention kernel (for comparisons).
     tiled_prefill: bool,
+    /// STEPLLM_NO_MMA_ATTENTION=1 keeps decode attention on the CUDA-core kernel (for comparisons).
+    mma_attention: bool,
     pub state: Mutex<State>,
 }
 
@@ -293,8 +301,9 @@ impl CudaBackend {
         let kernels = Kernels::load(&gpu)?;
         let gemv = Gemv::load(&gpu)?;
         let tiled_prefill = std::env::var_os("STEPLLM_NO_TILED_PREFILL").is_none();
+        let mma_attention = std::env::var_os("STEPLLM_NO_MMA_ATTENTION").is_none();
         let state = Mutex::new(State::default());
-        let inner = Inner { gpu, blas, kernels, gemv, tiled_prefill, state };
+        let inner = Inner { gpu, blas, kernels, gemv, tiled_prefill, mma_attention, state };
         Ok(Self { inner: Arc::new(inner) })
     }
 
@@ -478,6 +487,10 @@ impl CudaBackend {
         let kernels = self.cache_kernels(cache.shape.dtype)?;
         let (family, qk_norm) = match rotation {
             QkRotation::Done => (&kernels.attention, None),
+            // The tensor-core loop takes 16 positions of one cache block at a time.
+            QkRotation::InKernel(qk_norm) if self.inner.mma_attention && cache.shape.block_size.is_multiple_of(16) => {
+                (&kernels.attention_mma, qk_norm)
+            }
             QkRotation::InKernel(qk_norm) => (&kernels.attention_rope, qk_norm),
         };
         let Some(&(_, f)) = family.iter().find(|(k, _)| *k == key) else {
