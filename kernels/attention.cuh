@@ -17,7 +17,10 @@
 //
 // The paged_attention_rope kernels serve decode batches (one query token per sequence) and take the place
 // of the RoPE kernel there: each block rotates its group's query heads itself, and the block holding the
-// newest position rotates that token's K and writes K and V to the cache before it reads them back.
+// newest position rotates that token's K and writes K and V to the cache before it reads them back. When the
+// cache's block size is a multiple of 16, decode batches take paged_attention_mma_rope instead: the same
+// kernel around a main loop on tensor cores (kernels/attention_mma.cuh), which reads the cache at a higher
+// fraction of its bandwidth (benchmarks/RESULTS.md).
 #pragma once
 #include "kv_cache.cuh"
 #include "rope.cuh"
