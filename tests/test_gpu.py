@@ -455,7 +455,7 @@ def test_tensor_core_decode_attention_matches_cuda_core_kernel(name: str, kv_cac
     """Decode attention runs on tensor cores when the cache's block size is a multiple of 16
     (kernels/attention_mma.cuh); STEPLLM_NO_MMA_ATTENTION=1 keeps it on the CUDA-core loop, the reference here.
     Twenty requests, most of them 2,200 tokens long: at this batch the Qwen3 shape's blocks walk whole contexts
-    unsplit (more than one window of 32 prefetched block-table entries per warp), the SmolLM2 shape's in 4 splits;
+    unsplit (more than one window of 32 prefetched block-table entries per warp), the SmolLM2 shape's in 3 splits;
     short prompts leave partial 16-position steps. Greedy ids must agree until the reference's first near-tie, and
     every agreed token's log-probability within the bf16 tolerance. A block size of 32 (several 16-position
     steps per cache block) must give the same ids, and a block size of 8 takes the CUDA-core loop."""
