@@ -30,6 +30,17 @@ import stepllm
 from gpu_decode import mixed_kv_tokens, mixed_workload, seat_residents
 
 
+def kernel_times(prof) -> dict[str, list[float]]:
+    """GPU time (µs) of every kernel launch a torch.profiler run recorded, by kernel name (first 60 characters)."""
+    import torch
+
+    kernels: dict[str, list[float]] = {}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            kernels.setdefault(event.name[:60], []).append(event.device_time)
+    return kernels
+
+
 def profile_ticks(path: Path, batch: int, context: int, ticks: int, graphs: bool) -> tuple[dict[str, list[float]], float]:
     import torch
     from torch.profiler import ProfilerActivity, profile
@@ -57,10 +68,7 @@ def profile_ticks(path: Path, batch: int, context: int, ticks: int, graphs: bool
             torch.cuda.synchronize()
     finally:
         stepped.abort()
-    kernels: dict[str, list[float]] = {}
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            kernels.setdefault(event.name[:60], []).append(event.device_time)
+    kernels = kernel_times(prof)
     total = sum(sum(v) for v in kernels.values()) / ticks
     return kernels, total
 
@@ -112,11 +120,7 @@ def profile_mixed(path: Path, kv_cache_dtype: str, first_token_only: bool) -> tu
             torch.cuda.synchronize()
     finally:
         engine.shutdown()
-    kernels: dict[str, list[float]] = {}
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            kernels.setdefault(event.name[:60], []).append(event.device_time)
-    return kernels, wall, sum(len(r.output_ids) for r in out)
+    return kernel_times(prof), wall, sum(len(r.output_ids) for r in out)
 
 
 def print_mixed(models: Path, shape: str, kv_cache_dtype: str, top: int) -> None:

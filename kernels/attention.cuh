@@ -295,7 +295,7 @@ __device__ void paged_attention(const bf16* __restrict__ qkv, int width, const u
     const int t = blockIdx.x, g = blockIdx.y, split = blockIdx.z, max_splits = gridDim.z;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int li = lane % LANES, gi = lane / LANES;
-    const float qscale = scale * 1.4426950408889634f;  // scores in log2 units
+    const float qscale = scale * LOG2_E;  // scores in log2 units
 
     SplitRange range;
     if (!split_range(positions, token_seq, seq_info, block_tables, t, split, max_splits, range)) return;
@@ -539,14 +539,28 @@ __device__ void paged_attention_mma(const bf16* __restrict__ qkv, int width, con
     __syncthreads();
     mma.patch(buf[0], 0, s_new[0], s_new[1], newest);
     mma.patch(buf[1], 1, s_new[0], s_new[1], newest);
-    mma.run(buf, k_cache, v_cache, s_q, scale * 1.4426950408889634f);
+    mma.run(buf, k_cache, v_cache, s_q, scale * LOG2_E);
     mma.publish(s_acc[threadIdx.x >> 5], s_ml[threadIdx.x >> 5]);
     __syncthreads();
     merge_and_store<D, G>(s_acc, s_ml, s_split_ml, t, g, num_kv_heads, split, max_splits, range.nsplits, out, partial,
                           counters);
 }
 
-// The plain, the rotating and the tensor-core rotating kernel of one shape and cache element type; NAME is paged_attention[_fp8].
+// A decode kernel that rotates q and k itself: its name, launch bound (resident blocks per SM) and the device
+// function it runs. BODY and MIN_BLOCKS come parenthesized, so their template arguments' commas stay inside
+// one macro argument.
+#define ROTATING_ATTENTION_KERNEL(KERNEL, KV, MIN_BLOCKS, BODY)                                                 \
+    extern "C" __global__ void __launch_bounds__(ATTN_THREADS, MIN_BLOCKS) KERNEL(                              \
+        const bf16* qkv, int width, const u32* positions, const u32* token_seq, const u32* seq_info,           \
+        const u32* block_tables, KV* k_cache, KV* v_cache, int block_size, int num_kv_heads,                    \
+        float scale, bf16* out, float* partial, u32* counters, const float* q_norm, const float* k_norm,        \
+        float eps, float theta, const u32* slots) {                                                             \
+        BODY(qkv, width, positions, token_seq, seq_info, block_tables, k_cache, v_cache, block_size,            \
+             num_kv_heads, scale, out, partial, counters, {q_norm, k_norm, eps, theta, slots});                 \
+    }
+
+// The plain, the rotating and the tensor-core rotating kernel of one shape and cache element type; NAME is
+// paged_attention[_fp8].
 #define ATTENTION_KERNELS(NAME, KV, D, G)                                                                      \
     extern "C" __global__ void __launch_bounds__(ATTN_THREADS, (AttnConfig<D, G, KV>::MIN_BLOCKS))                \
         NAME##_d##D##_g##G(                                                                                     \
@@ -556,26 +570,10 @@ __device__ void paged_attention_mma(const bf16* __restrict__ qkv, int width, con
         paged_attention<D, G, false, KV>(qkv, width, positions, token_seq, seq_info, block_tables, k_cache,    \
                                          v_cache, block_size, num_kv_heads, scale, out, partial, counters, {}); \
     }                                                                                                           \
-    extern "C" __global__ void __launch_bounds__(ATTN_THREADS, (AttnConfig<D, G, KV>::MIN_BLOCKS_ROPE))            \
-        NAME##_rope_d##D##_g##G(                                                                                \
-        const bf16* qkv, int width, const u32* positions, const u32* token_seq, const u32* seq_info,           \
-        const u32* block_tables, KV* k_cache, KV* v_cache, int block_size, int num_kv_heads,                    \
-        float scale, bf16* out, float* partial, u32* counters, const float* q_norm, const float* k_norm,        \
-        float eps, float theta, const u32* slots) {                                                             \
-        paged_attention<D, G, true, KV>(qkv, width, positions, token_seq, seq_info, block_tables, k_cache,     \
-                                        v_cache, block_size, num_kv_heads, scale, out, partial, counters,      \
-                                        {q_norm, k_norm, eps, theta, slots});                                   \
-    }                                                                                                           \
-    extern "C" __global__ void __launch_bounds__(ATTN_THREADS, (MmaDecode<D, G, KV>::MIN_BLOCKS))               \
-        NAME##_mma_rope_d##D##_g##G(                                                                            \
-        const bf16* qkv, int width, const u32* positions, const u32* token_seq, const u32* seq_info,           \
-        const u32* block_tables, KV* k_cache, KV* v_cache, int block_size, int num_kv_heads,                    \
-        float scale, bf16* out, float* partial, u32* counters, const float* q_norm, const float* k_norm,        \
-        float eps, float theta, const u32* slots) {                                                             \
-        paged_attention_mma<D, G, KV>(qkv, width, positions, token_seq, seq_info, block_tables, k_cache,       \
-                                      v_cache, block_size, num_kv_heads, scale, out, partial, counters,        \
-                                      {q_norm, k_norm, eps, theta, slots});                                     \
-    }
+    ROTATING_ATTENTION_KERNEL(NAME##_rope_d##D##_g##G, KV, (AttnConfig<D, G, KV>::MIN_BLOCKS_ROPE),             \
+                              (paged_attention<D, G, true, KV>))                                                \
+    ROTATING_ATTENTION_KERNEL(NAME##_mma_rope_d##D##_g##G, KV, (MmaDecode<D, G, KV>::MIN_BLOCKS),               \
+                              (paged_attention_mma<D, G, KV>))
 
 // Every shape the host may ask for (CudaBackend's kernel table lists the same).
 #define ATTENTION_SHAPES(NAME, KV)       \

@@ -25,14 +25,7 @@ struct MmaOperand;
 template <>
 struct MmaOperand<bf16> {
     __device__ static __forceinline__ u32 pack(float lo, float hi) { return pack_bf16(lo, hi); }
-    __device__ static __forceinline__ void mma(float c[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
-        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-                     "{%8, %9}, {%0, %1, %2, %3};\n"
-                     : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                     : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-    }
-    // Two cache values (a 32-bit word) as one operand register: already a bf16 pair.
-    __device__ static __forceinline__ u32 pair(u32 word) { return word; }
+    __device__ static __forceinline__ void mma(float c[4], const u32 a[4], u32 b0, u32 b1) { mma_bf16(c, a, b0, b1); }
 };
 
 template <>
@@ -41,12 +34,7 @@ struct MmaOperand<fp8> {
         const __half2 h = __floats2half2_rn(lo, hi);
         return *reinterpret_cast<const u32*>(&h);
     }
-    __device__ static __forceinline__ void mma(float c[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
-        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-                     "{%8, %9}, {%0, %1, %2, %3};\n"
-                     : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                     : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-    }
+    __device__ static __forceinline__ void mma(float c[4], const u32 a[4], u32 b0, u32 b1) { mma_f16(c, a, b0, b1); }
     // Two e4m3 values (the low 16 bits) as one f16 pair, the first in the low half.
     __device__ static __forceinline__ u32 pair(u32 bytes) {
         const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(bytes & 0xffffu), __NV_E4M3);
@@ -215,7 +203,8 @@ struct MmaDecode {
             for (int ks = 0; ks < KS; ks++) {
                 u32 b0, b1;
                 k_fragment(r.k[h], ks, b0, b1);
-                Op::mma(sc[h], qa[ks][0], 0u, qa[ks][1], 0u, b0, b1);
+                const u32 a[4] = {qa[ks][0], 0u, qa[ks][1], 0u};  // rows 8..15 (no query head) are zero
+                Op::mma(sc[h], a, b0, b1);
             }
         }
         // sc[h][e]: head `row`, position 8h + 2 col + e.
@@ -254,7 +243,7 @@ struct MmaDecode {
         for (int j = 0; j < KS; j++) {
             u32 a[4];
             v_fragment(r, j, a);
-            Op::mma(acc[j], a[0], a[1], a[2], a[3], b0, b1);
+            Op::mma(acc[j], a, b0, b1);
         }
     }
 

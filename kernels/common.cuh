@@ -33,6 +33,21 @@ __device__ __forceinline__ void kernel_begin() {
 // A shared-memory pointer as the 32-bit address PTX instructions on shared memory take.
 __device__ __forceinline__ u32 smem_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
 
+// Fragment layouts of one warp's m16n8k16 operands (PTX ISA, "Matrix fragments for mma.m16n8k16"): see
+// kernels/prefill_attention.cu. c += a * b for one tile, f32 accumulation, bf16 or f16 operands.
+__device__ __forceinline__ void mma_bf16(float c[4], const u32 a[4], u32 b0, u32 b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+                 "{%0, %1, %2, %3};\n"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ void mma_f16(float c[4], const u32 a[4], u32 b0, u32 b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+                 "{%0, %1, %2, %3};\n"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
 // Round through bf16: used where transformers rounds an intermediate to bf16, so our outputs match it.
 __device__ __forceinline__ float bf16r(float x) { return __bfloat162float(__float2bfloat16(x)); }
 
@@ -70,6 +85,9 @@ __device__ __forceinline__ u32 pack_bf16(float lo, float hi) {
     __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
     return *reinterpret_cast<u32*>(&v);
 }
+
+// Attention scales its scores by log2(e) (folded into q or the score scale) so that fast_exp2 exponentiates them.
+constexpr float LOG2_E = 1.4426950408889634f;
 
 // 2^x, flushing denormals; 2^-inf = 0. Attention keeps its scores in the log2 domain (log2(e) folded into q).
 __device__ __forceinline__ float fast_exp2(float x) {

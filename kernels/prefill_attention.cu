@@ -38,14 +38,6 @@ __device__ __forceinline__ void ldmatrix_x4_trans(u32 r[4], const void* p) {
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr(p)));
 }
 
-// c += a * b for one m16n8k16 bf16 tile.
-__device__ __forceinline__ void mma_bf16(float c[4], const u32 a[4], u32 b0, u32 b1) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-                 "{%0, %1, %2, %3};\n"
-                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
 template <int D>
 struct PrefillTiles {
     bf16 k[2][PF_BK][D + PF_PAD];
@@ -178,7 +170,7 @@ __device__ void prefill_attention(const bf16* __restrict__ qkv, int width, const
     }
     // Causal limit of each row (rows past the sequence see nothing).
     const int lim0 = i0 < len ? past + i0 : -1, lim1 = i1 < len ? past + i1 : -1;
-    const float qscale = scale * 1.4426950408889634f;  // scores in log2 units
+    const float qscale = scale * LOG2_E;  // scores in log2 units
 
     float o[NT][4];
 #pragma unroll
