@@ -79,6 +79,7 @@ FAMILIES = [
     ("prefill attention", ("prefill_attention",)),
     ("decode attention", ("paged_attention", "attention_")),
     ("GEMV (ours)", ("gemv",)),
+    ("skinny GEMM (ours)", ("skinny_gemm",)),
     ("cuBLAS GEMM", ("gemm", "nvjet", "xmma", "cutlass", "splitk", "splitK")),
     ("RoPE + KV write", ("rope",)),
     ("RMSNorm", ("rms_norm",)),

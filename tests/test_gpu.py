@@ -206,15 +206,36 @@ def test_graph_decode_equals_eager(models_dir: Path) -> None:
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4])
 def test_gemv_batches_match_cublas(rows: int, models_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Decode batches of 1..4 rows go to our GEMV kernels (the bulk-copy family on Hopper, the register family for
-    2 rows); the same requests with every projection on cuBLAS (STEPLLM_GEMV_MAX_ROWS=0) are the reference."""
+    """Decode batches of 1 and 2 rows go to our GEMV kernels (the bulk-copy family on Hopper for 1, the register
+    family for 2), 3 and 4 to the skinny GEMM; the same requests with every projection on cuBLAS
+    (STEPLLM_GEMV_MAX_ROWS=0, the skinny GEMM off) are the reference."""
     path = gpu_models.make("qwen3", models_dir)
     prompts = [PROMPT[: 8 + 5 * i] for i in range(rows)]
     reqs = [stepllm.GenerationRequest(p, greedy(8, logprobs=5)) for p in prompts]
     ours = coordinator(path, "cuda", graphs=True, max_batch_size=rows).dispatch_request(reqs)
     monkeypatch.setenv("STEPLLM_GEMV_MAX_ROWS", "0")
+    monkeypatch.setenv("STEPLLM_SKINNY_GEMM_MAX_ROWS", "0")
     ref = coordinator(path, "cuda", graphs=True, max_batch_size=rows).dispatch_request(reqs)
     assert_runs_agree(path, prompts, ours, ref, rows)
+
+
+@pytest.mark.parametrize("name,rows", [("qwen3", 5), ("qwen3", 32), ("qwen3", 100), ("smollm2", 24), ("smollm2", 100)])
+def test_skinny_gemm_batches_match_cublas(name: str, rows: int, models_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Decode batches of 3 to 16 rows go to the tensor-core skinny GEMM (kernels/skinny_gemm.cu) with the SiLU
+    gating and the residual add fused; the same requests with those projections on cuBLAS
+    (STEPLLM_SKINNY_GEMM_MAX_ROWS=0) are the reference. The shapes cover K split over blocks (Qwen3's O and down
+    projections), K not a multiple of 256 (SmolLM2's 576 and 1536), partial token tiles (5, 100), and, with the
+    limit raised, batches of 24 to 100 rows (over one block's 32 tokens at 100). (Not the Llama-3.2-1B shape: at these prompts its
+    top-2 logits are 2-4 bf16 ulps apart, and every path, cuBLAS at batch 1 included, leaves transformers'
+    sequence somewhere.)"""
+    path = gpu_models.make(name, models_dir)
+    prompts = [PROMPT[: 3 + (7 * i) % 37] for i in range(rows)]
+    reqs = [stepllm.GenerationRequest(p, greedy(8, logprobs=5)) for p in prompts]
+    monkeypatch.setenv("STEPLLM_SKINNY_GEMM_MAX_ROWS", str(max(rows, 16)))
+    ours = coordinator(path, "cuda", graphs=True, max_batch_size=rows).dispatch_request(reqs)
+    monkeypatch.setenv("STEPLLM_SKINNY_GEMM_MAX_ROWS", "0")
+    ref = coordinator(path, "cuda", graphs=True, max_batch_size=rows).dispatch_request(reqs)
+    assert_runs_agree(path, prompts, ours, ref, (name, rows))
 
 
 def test_gpu_sampling_options(models_dir: Path) -> None:
@@ -235,11 +256,16 @@ def test_gpu_sampling_options(models_dir: Path) -> None:
     assert run(temperature=0.0, logit_bias={banned: -100.0})[0] != banned
     rep = run(temperature=0.0, repetition_penalty=100.0, presence_penalty=2.0, frequency_penalty=1.0)
     assert len(rep) == 12
-    # seeded draws do not depend on batch neighbours
+    # Seeded draws do not depend on batch neighbours: their tokens, their sampling. The batch's shape stays the
+    # same (two rows, a 9-token neighbour), since on the GPU the kernels are chosen by batch size (GEMV, skinny
+    # GEMM, cuBLAS), and a different size may round the logits differently, which a draw at temperature 3 can
+    # notice; the CPU test in test_cache_and_batching.py also compares against the request alone.
     p = stepllm.SamplingParams(max_tokens=8, temperature=3.0, seed=11, ignore_eos=True)
-    alone = coord.dispatch_request([stepllm.GenerationRequest(PROMPT, p)])[0].output_ids
-    mixed = coord.dispatch_request([stepllm.GenerationRequest(PROMPT[:9], greedy(8)), stepllm.GenerationRequest(PROMPT, p)])
-    assert mixed[1].output_ids == alone
+    other = [(11 * i + 5) % 397 + 2 for i in range(9)]
+    first = coord.dispatch_request([stepllm.GenerationRequest(PROMPT[:9], greedy(8)), stepllm.GenerationRequest(PROMPT, p)])
+    p_other = stepllm.SamplingParams(max_tokens=8, temperature=1.0, seed=5, top_k=20, ignore_eos=True)
+    second = coord.dispatch_request([stepllm.GenerationRequest(other, p_other), stepllm.GenerationRequest(PROMPT, p)])
+    assert second[1].output_ids == first[1].output_ids
 
 
 # ---------------------------------------------------------------------------------------- the stepped API on the GPU

@@ -1,7 +1,8 @@
 //! `CudaBackend`: the [`Backend`] ops on an NVIDIA GPU in bf16. Kernels come from kernels/*.cu (PTX embedded
 //! at build time). Projections of decode-sized batches go to our GEMV kernels (gemv.rs picks the family and
 //! launch shape), which also fuse the RMSNorm before them, the residual add or the SiLU-gating after them;
-//! larger batches go to cuBLAS.
+//! larger decode batches to our tensor-core skinny GEMM (skinny_gemm.rs; the same fusions after the product),
+//! and prefill-sized ones to cuBLAS.
 //!
 //! Storage only grows, and once decode graphs exist a replaced allocation is kept alive (graphs hold raw
 //! pointers into it), so replaying a graph after a larger prefill stays valid.
@@ -14,6 +15,7 @@ use rayon::prelude::*;
 use super::blas::Blas;
 use super::device::{Arg, DeviceBuffer, Func, Gpu};
 use super::gemv::{Gemv, GemvKind, GemvLaunch};
+use super::skinny_gemm::{SkinnyGemm, SkinnyKind, SkinnyLaunch};
 use crate::backend::{AttentionShape, Backend, BatchPlan, KvCacheDtype, KvCacheShape};
 use crate::error::{Error, Result};
 use crate::model::loader::HostTensor;
@@ -281,6 +283,7 @@ pub(super) struct Inner {
     blas: Blas,
     kernels: Kernels,
     gemv: Gemv,
+    skinny: SkinnyGemm,
     /// STEPLLM_NO_TILED_PREFILL=1 keeps prefill on the paged attention kernel (for comparisons).
     tiled_prefill: bool,
     /// STEPLLM_NO_MMA_ATTENTION=1 keeps decode attention on the CUDA-core kernel (for comparisons).
@@ -300,10 +303,11 @@ impl CudaBackend {
         let blas = Blas::new(&gpu)?;
         let kernels = Kernels::load(&gpu)?;
         let gemv = Gemv::load(&gpu)?;
+        let skinny = SkinnyGemm::load(&gpu)?;
         let tiled_prefill = std::env::var_os("STEPLLM_NO_TILED_PREFILL").is_none();
         let mma_attention = std::env::var_os("STEPLLM_NO_MMA_ATTENTION").is_none();
         let state = Mutex::new(State::default());
-        let inner = Inner { gpu, blas, kernels, gemv, tiled_prefill, mma_attention, state };
+        let inner = Inner { gpu, blas, kernels, gemv, skinny, tiled_prefill, mma_attention, state };
         Ok(Self { inner: Arc::new(inner) })
     }
 
@@ -425,6 +429,26 @@ impl CudaBackend {
             y,
         };
         self.inner.gemv.launch(&self.inner.gpu, &launch)
+    }
+
+    /// Whether an `m`-row projection of `weight` goes to the skinny tensor-core GEMM rather than cuBLAS.
+    fn use_skinny(&self, m: usize, weight: &CudaMatrix) -> bool {
+        self.inner.skinny.serves(m, weight.rows, weight.cols)
+    }
+
+    /// One skinny-GEMM launch: `x` is `[x.rows, weight.cols]`, the output goes to `y` (see [`SkinnyKind`]).
+    fn launch_skinny(&self, kind: SkinnyKind, x: &CudaTensor, weight: &CudaMatrix, bias: Option<&CudaVector>, y: u64) -> Result<()> {
+        let launch = SkinnyLaunch {
+            kind,
+            rows: x.rows,
+            x: x.ptr(),
+            weight: weight.buf.ptr(),
+            n: weight.rows,
+            k: weight.cols,
+            bias: bias.map_or(0, |b| b.buf.ptr()),
+            y,
+        };
+        self.inner.skinny.launch(&self.inner.gpu, &launch)
     }
 
     /// The tensor-core prefill attention, when this step has prompts long enough to fill its query tiles.
@@ -708,6 +732,10 @@ impl Backend for CudaBackend {
     fn linear(&self, x: &CudaTensor, weight: &CudaMatrix, bias: Option<&CudaVector>, out: &mut CudaTensor) -> Result<()> {
         Self::check_linear(x, weight)?;
         if !self.use_gemv(x.rows, weight.cols) {
+            if self.use_skinny(x.rows, weight) {
+                self.ensure(out, x.rows, weight.rows)?;
+                return self.launch_skinny(SkinnyKind::Store, x, weight, bias, out.ptr());
+            }
             return self.cublas_linear(x, weight, bias, out);
         }
         self.ensure(out, x.rows, weight.rows)?;
@@ -728,6 +756,10 @@ impl Backend for CudaBackend {
         Self::check_linear(x, weight)?;
         if !self.use_gemv(x.rows, weight.cols) {
             self.rms_norm(x, norm, eps, normed)?;
+            if self.use_skinny(x.rows, weight) {
+                self.ensure(out, x.rows, weight.rows)?;
+                return self.launch_skinny(SkinnyKind::Store, normed, weight, bias, out.ptr());
+            }
             return self.cublas_linear(normed, weight, bias, out);
         }
         self.ensure(out, x.rows, weight.rows)?;
@@ -751,6 +783,10 @@ impl Backend for CudaBackend {
         }
         if !self.use_gemv(x.rows, gate_up.cols) {
             self.rms_norm(x, norm, eps, normed)?;
+            if self.use_skinny(x.rows, gate_up) {
+                self.ensure(out, x.rows, gate_up.rows / 2)?;
+                return self.launch_skinny(SkinnyKind::Silu, normed, gate_up, None, out.ptr());
+            }
             self.cublas_linear(normed, gate_up, None, product)?;
             return self.silu_mul(product, out);
         }
@@ -775,6 +811,9 @@ impl Backend for CudaBackend {
         }
         if self.use_gemv(x.rows, weight.cols) {
             return self.launch_gemv(GemvKind::AddInto, x.rows, x.ptr(), None, weight, bias, residual.ptr());
+        }
+        if self.use_skinny(x.rows, weight) {
+            return self.launch_skinny(SkinnyKind::AddInto, x, weight, bias, residual.ptr());
         }
         if bias.is_some() {
             self.cublas_linear(x, weight, bias, product)?;

@@ -1,10 +1,11 @@
-//! Projections of decode batches (1..=4 rows by default) on our own kernels instead of cuBLAS, which is
+//! Projections of decode batches (1 and 2 rows by default) on our own kernels instead of cuBLAS, which is
 //! latency-bound there: which kernel family serves a launch, and its launch shape.
 //!
 //! - kernels/gemv_bulk.cu (compute capability 9.0 and up): one block per multiprocessor streams its contiguous
 //!   run of weight rows into a shared-memory ring by bulk copies, issued before it waits for the previous
 //!   kernel, and uses little enough of the multiprocessor that the next projection's block fits beside it and
-//!   does the same. It serves 1, 3 and 4 rows on Hopper; STEPLLM_NO_BULK_GEMV=1 turns it off (comparisons).
+//!   does the same. It serves 1 row on Hopper (and 3 or 4 when STEPLLM_GEMV_MAX_ROWS raises the limit);
+//!   STEPLLM_NO_BULK_GEMV=1 turns it off (comparisons).
 //! - kernels/gemv.cu (any GPU): weights through registers in one-wave grids; 2 rows on Hopper (measured faster
 //!   there), and 1 and 2 rows elsewhere.
 //!
@@ -17,12 +18,10 @@ use crate::error::Result;
 
 /// Largest batch the GEMV kernels can serve (one instantiation per row count).
 pub const GEMV_MAX_ROWS: usize = 8;
-/// Default largest batch sent to the GEMV kernels rather than cuBLAS; STEPLLM_GEMV_MAX_ROWS overrides it (0 =
-/// cuBLAS only), so the crossover can be measured on each GPU. Measured on the H200 (benchmarks/gpu_decode.py,
-/// ms per decode step, Qwen3-0.6B / SmolLM2-135M shapes): with the bulk family, 4 rows take 1.260 / 0.780 ms
-/// against cuBLAS's 1.388 / 1.082 and 8 rows 2.263 / 1.105 against 1.279 / 0.955 (2026-12-03); the register
-/// family alone lost to cuBLAS from 4 rows on (1.60 vs 1.66-1.68 ms, 2026-12-02).
-const GEMV_DEFAULT_ROWS_BULK: usize = 4;
+/// Default largest batch sent to the GEMV kernels rather than the skinny GEMM (skinny_gemm.rs) or cuBLAS;
+/// STEPLLM_GEMV_MAX_ROWS overrides it (0 = none). Measured on the H200 (benchmarks/gpu_decode.py, ms per decode
+/// step, Qwen3-0.6B / SmolLM2-135M shapes, 2026-12-03): 3 rows took 1.392 / 0.886 on the bulk GEMV against 1.014
+/// / 0.896 on the skinny GEMM, 4 rows 1.380 / 0.874 against 1.034 / 0.895; 2 rows stay here (0.945 / 0.591).
 const GEMV_DEFAULT_ROWS: usize = 2;
 /// Threads of one block of either family (GEMV_THREADS, BULK_THREADS) and the register family's warps.
 const GEMV_THREADS: u32 = 256;
@@ -94,11 +93,10 @@ impl Gemv {
         };
         let registers = family("gemv")?;
         let bulk = if gpu.hopper && std::env::var_os("STEPLLM_NO_BULK_GEMV").is_none() { Some(family("gemv_bulk")?) } else { None };
-        let default_rows = if bulk.is_some() { GEMV_DEFAULT_ROWS_BULK } else { GEMV_DEFAULT_ROWS };
-        let max_rows = std::env::var("STEPLLM_GEMV_MAX_ROWS")
+                let max_rows = std::env::var("STEPLLM_GEMV_MAX_ROWS")
             .ok()
             .and_then(|v| v.parse().ok())
-            .unwrap_or(default_rows)
+            .unwrap_or(GEMV_DEFAULT_ROWS)
             .min(GEMV_MAX_ROWS);
         let limit = |fs: &[Vec<Func>; 4]| -> Result<usize> {
             let mut bytes = usize::MAX;

@@ -8,6 +8,7 @@ pub mod device;
 pub mod gemv;
 pub mod runner;
 pub mod sampler;
+pub mod skinny_gemm;
 
 pub use backend::CudaBackend;
 pub use runner::CudaRunner;
