@@ -266,7 +266,9 @@ def main() -> None:
     ap.add_argument("--shapes", nargs="*", default=["smollm2", "qwen3", "llama1b"])
     ap.add_argument("--batches", nargs="*", type=int, default=[1, 8, 64, 256])
     ap.add_argument("--hf-batches", nargs="*", type=int, default=[1, 64])
-    ap.add_argument("--gemv-sweep", nargs="*", type=int, default=[])
+    ap.add_argument("--gemv-sweep", nargs="*", type=int, default=[],
+                    help="STEPLLM_GEMV_MAX_ROWS values to time batches 1, 2, 4 and 8 with (rows above the limit go "
+                         "to the skinny GEMM, and above STEPLLM_SKINNY_GEMM_MAX_ROWS to cuBLAS)")
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--new", type=int, default=256)
     ap.add_argument("--host-ticks", action="store_true", help="per-tick host vs device time through the stepped API")
@@ -306,7 +308,7 @@ def main() -> None:
                 mixed_rows.append((shape, kind, mixed))
                 print(mixed_line(shape, kind, mixed), flush=True)
             print(mixed_floor_line(mixed), flush=True)
-    # GEMV-vs-cuBLAS crossover at small batches (STEPLLM_GEMV_MAX_ROWS: 0 = cuBLAS only).
+    # The GEMV crossover at small batches (STEPLLM_GEMV_MAX_ROWS: 0 = no GEMV).
     import os
 
     for rows_limit in args.gemv_sweep:
