@@ -1,8 +1,9 @@
 //! `CudaBackend`: the [`Backend`] ops on an NVIDIA GPU in bf16. Kernels come from kernels/*.cu (PTX embedded
-//! at build time). Projections of decode-sized batches go to our GEMV kernels (gemv.rs picks the family and
-//! launch shape), which also fuse the RMSNorm before them, the residual add or the SiLU-gating after them;
-//! larger decode batches to our tensor-core skinny GEMM (skinny_gemm.rs; the same fusions after the product),
-//! and prefill-sized ones to cuBLAS.
+//! at build time). Projections of 1 and 2 rows go to our GEMV kernels (gemv.rs picks the family and launch
+//! shape), which also fuse the RMSNorm before them, the residual add or the SiLU-gating after them; 3 to 16 rows
+//! to our tensor-core skinny GEMM (skinny_gemm.rs; the same fusions after the product); larger batches and the
+//! LM head from 3 rows on to cuBLAS. The two limits are settings (STEPLLM_GEMV_MAX_ROWS,
+//! STEPLLM_SKINNY_GEMM_MAX_ROWS).
 //!
 //! Storage only grows, and once decode graphs exist a replaced allocation is kept alive (graphs hold raw
 //! pointers into it), so replaying a graph after a larger prefill stays valid.
@@ -436,6 +437,16 @@ impl CudaBackend {
         self.inner.skinny.serves(m, weight.rows, weight.cols)
     }
 
+    /// `out = x · Wᵀ (+ bias)` for batches the GEMV kernels do not take: the skinny GEMM where it serves, else
+    /// cuBLAS.
+    fn linear_beyond_gemv(&self, x: &CudaTensor, weight: &CudaMatrix, bias: Option<&CudaVector>, out: &mut CudaTensor) -> Result<()> {
+        if self.use_skinny(x.rows, weight) {
+            self.ensure(out, x.rows, weight.rows)?;
+            return self.launch_skinny(SkinnyKind::Store, x, weight, bias, out.ptr());
+        }
+        self.cublas_linear(x, weight, bias, out)
+    }
+
     /// One skinny-GEMM launch: `x` is `[x.rows, weight.cols]`, the output goes to `y` (see [`SkinnyKind`]).
     fn launch_skinny(&self, kind: SkinnyKind, x: &CudaTensor, weight: &CudaMatrix, bias: Option<&CudaVector>, y: u64) -> Result<()> {
         let launch = SkinnyLaunch {
@@ -732,11 +743,7 @@ impl Backend for CudaBackend {
     fn linear(&self, x: &CudaTensor, weight: &CudaMatrix, bias: Option<&CudaVector>, out: &mut CudaTensor) -> Result<()> {
         Self::check_linear(x, weight)?;
         if !self.use_gemv(x.rows, weight.cols) {
-            if self.use_skinny(x.rows, weight) {
-                self.ensure(out, x.rows, weight.rows)?;
-                return self.launch_skinny(SkinnyKind::Store, x, weight, bias, out.ptr());
-            }
-            return self.cublas_linear(x, weight, bias, out);
+            return self.linear_beyond_gemv(x, weight, bias, out);
         }
         self.ensure(out, x.rows, weight.rows)?;
         self.launch_gemv(GemvKind::Plain, x.rows, x.ptr(), None, weight, bias, out.ptr())
@@ -756,11 +763,7 @@ impl Backend for CudaBackend {
         Self::check_linear(x, weight)?;
         if !self.use_gemv(x.rows, weight.cols) {
             self.rms_norm(x, norm, eps, normed)?;
-            if self.use_skinny(x.rows, weight) {
-                self.ensure(out, x.rows, weight.rows)?;
-                return self.launch_skinny(SkinnyKind::Store, normed, weight, bias, out.ptr());
-            }
-            return self.cublas_linear(normed, weight, bias, out);
+            return self.linear_beyond_gemv(normed, weight, bias, out);
         }
         self.ensure(out, x.rows, weight.rows)?;
         self.launch_gemv(GemvKind::Norm, x.rows, x.ptr(), Some((norm, eps)), weight, bias, out.ptr())
