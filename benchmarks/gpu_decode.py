@@ -58,11 +58,7 @@ def stepllm_run(path: Path, batches: list[int], prompt_len: int, new: int, max_p
     rng = random.Random(0)
     vocab = coord.info()["vocab_size"]
     for b in batches:
-        reqs = [
-            stepllm.GenerationRequest([rng.randrange(2, vocab) for _ in range(prompt_len)],
-                                      stepllm.SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True))
-            for _ in range(b)
-        ]
+        reqs = [greedy_request([rng.randrange(2, vocab) for _ in range(prompt_len)], new) for _ in range(b)]
         coord.dispatch_request(reqs[:1])  # warm-up
         t = time.perf_counter()
         out = coord.dispatch_request(reqs)
@@ -183,19 +179,31 @@ def mixed_kv_tokens(work: list[tuple[list[int], int]], block: int) -> int:
     return sum(-(-(len(p) + o) // block) * block + block for p, o in work)
 
 
+def mixed_config(path: Path, work: list[tuple[list[int], int]], device: str = "cuda", max_prefill_tokens: int | None = None,
+                 kv_cache_dtype: str = "auto") -> stepllm.Config:
+    """The engine configuration of the mixed workload: every request seated at once, KV blocks of 16 for all."""
+    block = 16
+    return stepllm.Config(model=str(path), device=device, max_batch_size=len(work), block_size=block,
+                          kv_cache_tokens=mixed_kv_tokens(work, block), max_prefill_tokens=max_prefill_tokens,
+                          kv_cache_dtype=kv_cache_dtype)
+
+
+def greedy_request(ids: list[int], out: int) -> stepllm.GenerationRequest:
+    """`out` greedy tokens after `ids`, EOS ignored."""
+    return stepllm.GenerationRequest(ids, stepllm.SamplingParams(max_tokens=out, temperature=0.0, ignore_eos=True))
+
+
+def mixed_warmup() -> stepllm.GenerationRequest:
+    """The request run before the timed mixed workload: not a prefix of any of its requests, so no cache hit later."""
+    return greedy_request(list(range(2, 18)), 4)
+
+
 def mixed_run(path: Path, n: int, paths: list[str], lo: int = 100, hi: int = 1024, seed: int = 0,
               device: str = "cuda", max_prefill_tokens: int | None = None, kv_cache_dtype: str = "auto") -> dict:
     vocab = json.loads((path / "config.json").read_text())["vocab_size"]
     work = mixed_workload(vocab, n, lo, hi, seed)
-    block = 16
-    cfg = stepllm.Config(model=str(path), device=device, max_batch_size=n, block_size=block,
-                         kv_cache_tokens=mixed_kv_tokens(work, block), max_prefill_tokens=max_prefill_tokens,
-                         kv_cache_dtype=kv_cache_dtype)
-
-    def request(ids: list[int], out: int) -> stepllm.GenerationRequest:
-        return stepllm.GenerationRequest(ids, stepllm.SamplingParams(max_tokens=out, temperature=0.0, ignore_eos=True))
-
-    warm = request(list(range(2, 18)), 4)  # not a prefix of any request: no cache hit later
+    cfg = mixed_config(path, work, device, max_prefill_tokens, kv_cache_dtype)
+    warm = mixed_warmup()
     res: dict = {"requests": n, "prompt_tokens": sum(len(p) for p, _ in work), "max_tokens": sum(o for _, o in work),
                  "kv_read_bytes": decode_kv_read_bytes(work, path, 1 if kv_cache_dtype == "fp8" else 2)}
     for kind in paths:
@@ -207,7 +215,7 @@ def mixed_run(path: Path, n: int, paths: list[str], lo: int = 100, hi: int = 102
             try:
                 engine.submit(warm).wait()
                 t = time.perf_counter()
-                streams = [engine.submit(request(p, o)) for p, o in work]
+                streams = [engine.submit(greedy_request(p, o)) for p, o in work]
                 out = [s.wait() for s in streams]
                 dt = time.perf_counter() - t
             finally:
@@ -218,7 +226,7 @@ def mixed_run(path: Path, n: int, paths: list[str], lo: int = 100, hi: int = 102
             graphs = coord.capture_decoding_cuda_graph()
             coord.dispatch_request([warm])
             t = time.perf_counter()
-            out = coord.dispatch_request([request(p, o) for p, o in work])
+            out = coord.dispatch_request([greedy_request(p, o) for p, o in work])
             dt = time.perf_counter() - t
             del coord
         else:

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import gpu_models
 import stepllm
-from gpu_decode import mixed_kv_tokens, mixed_workload, seat_residents
+from gpu_decode import greedy_request, mixed_config, mixed_warmup, mixed_workload, seat_residents
 
 
 def kernel_times(prof) -> dict[str, list[float]]:
@@ -105,18 +105,13 @@ def profile_mixed(path: Path, kv_cache_dtype: str, first_token_only: bool) -> tu
     work = mixed_workload(vocab)
     if first_token_only:
         work = [(p, 1) for p, _ in work]
-    cfg = stepllm.Config(model=str(path), device="cuda", max_batch_size=len(work), block_size=16,
-                         kv_cache_tokens=mixed_kv_tokens(work, 16), kv_cache_dtype=kv_cache_dtype)
-    engine = stepllm.Engine(cfg)
+    engine = stepllm.Engine(mixed_config(path, work, kv_cache_dtype=kv_cache_dtype))
     try:
-        def request(ids: list[int], out: int) -> stepllm.GenerationRequest:
-            return stepllm.GenerationRequest(ids, stepllm.SamplingParams(max_tokens=out, temperature=0.0, ignore_eos=True))
-
-        engine.submit(request(list(range(2, 18)), 4)).wait()
+        engine.submit(mixed_warmup()).wait()
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             t = time.perf_counter()
-            out = [s.wait() for s in [engine.submit(request(p, o)) for p, o in work]]
+            out = [s.wait() for s in [engine.submit(greedy_request(p, o)) for p, o in work]]
             wall = time.perf_counter() - t
             torch.cuda.synchronize()
     finally:

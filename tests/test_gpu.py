@@ -204,19 +204,24 @@ def test_graph_decode_equals_eager(models_dir: Path) -> None:
     assert [r.output_ids for r in eager] == [r.output_ids for r in graphed]
 
 
+def assert_matches_cublas(path: Path, prompts: list[list[int]], monkeypatch: pytest.MonkeyPatch, what: object) -> None:
+    """Greedy runs of `prompts` as one batch (graphs captured) with the projection kernels the environment selects,
+    against the same run with every projection on cuBLAS (STEPLLM_GEMV_MAX_ROWS=0, STEPLLM_SKINNY_GEMM_MAX_ROWS=0)."""
+    reqs = [stepllm.GenerationRequest(p, greedy(8, logprobs=5)) for p in prompts]
+    ours = coordinator(path, "cuda", graphs=True, max_batch_size=len(prompts)).dispatch_request(reqs)
+    monkeypatch.setenv("STEPLLM_GEMV_MAX_ROWS", "0")
+    monkeypatch.setenv("STEPLLM_SKINNY_GEMM_MAX_ROWS", "0")
+    ref = coordinator(path, "cuda", graphs=True, max_batch_size=len(prompts)).dispatch_request(reqs)
+    assert_runs_agree(path, prompts, ours, ref, what)
+
+
 @pytest.mark.parametrize("rows", [1, 2, 3, 4])
 def test_gemv_batches_match_cublas(rows: int, models_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Decode batches of 1 and 2 rows go to our GEMV kernels (the bulk-copy family on Hopper for 1, the register
     family for 2), 3 and 4 to the skinny GEMM; the same requests with every projection on cuBLAS
     (STEPLLM_GEMV_MAX_ROWS=0, the skinny GEMM off) are the reference."""
-    path = gpu_models.make("qwen3", models_dir)
     prompts = [PROMPT[: 8 + 5 * i] for i in range(rows)]
-    reqs = [stepllm.GenerationRequest(p, greedy(8, logprobs=5)) for p in prompts]
-    ours = coordinator(path, "cuda", graphs=True, max_batch_size=rows).dispatch_request(reqs)
-    monkeypatch.setenv("STEPLLM_GEMV_MAX_ROWS", "0")
-    monkeypatch.setenv("STEPLLM_SKINNY_GEMM_MAX_ROWS", "0")
-    ref = coordinator(path, "cuda", graphs=True, max_batch_size=rows).dispatch_request(reqs)
-    assert_runs_agree(path, prompts, ours, ref, rows)
+    assert_matches_cublas(gpu_models.make("qwen3", models_dir), prompts, monkeypatch, rows)
 
 
 @pytest.mark.parametrize("name,rows", [("qwen3", 5), ("qwen3", 32), ("qwen3", 100), ("smollm2", 24), ("smollm2", 100)])
@@ -225,17 +230,12 @@ def test_skinny_gemm_batches_match_cublas(name: str, rows: int, models_dir: Path
     gating and the residual add fused; the same requests with those projections on cuBLAS
     (STEPLLM_SKINNY_GEMM_MAX_ROWS=0) are the reference. The shapes cover K split over blocks (Qwen3's O and down
     projections), K not a multiple of 256 (SmolLM2's 576 and 1536), partial token tiles (5, 100), and, with the
-    limit raised, batches of 24 to 100 rows (over one block's 32 tokens at 100). (Not the Llama-3.2-1B shape: at these prompts its
-    top-2 logits are 2-4 bf16 ulps apart, and every path, cuBLAS at batch 1 included, leaves transformers'
-    sequence somewhere.)"""
-    path = gpu_models.make(name, models_dir)
+    limit raised, batches of 24 to 100 rows (over one block's 32 tokens at 100). (Not the Llama-3.2-1B shape: at
+    these prompts its top-2 logits are 2-4 bf16 ulps apart, and every path, cuBLAS at batch 1 included, leaves
+    transformers' sequence somewhere.)"""
     prompts = [PROMPT[: 3 + (7 * i) % 37] for i in range(rows)]
-    reqs = [stepllm.GenerationRequest(p, greedy(8, logprobs=5)) for p in prompts]
     monkeypatch.setenv("STEPLLM_SKINNY_GEMM_MAX_ROWS", str(max(rows, 16)))
-    ours = coordinator(path, "cuda", graphs=True, max_batch_size=rows).dispatch_request(reqs)
-    monkeypatch.setenv("STEPLLM_SKINNY_GEMM_MAX_ROWS", "0")
-    ref = coordinator(path, "cuda", graphs=True, max_batch_size=rows).dispatch_request(reqs)
-    assert_runs_agree(path, prompts, ours, ref, (name, rows))
+    assert_matches_cublas(gpu_models.make(name, models_dir), prompts, monkeypatch, (name, rows))
 
 
 def test_gpu_sampling_options(models_dir: Path) -> None:

@@ -15,8 +15,8 @@ use rayon::prelude::*;
 
 use super::blas::Blas;
 use super::device::{Arg, DeviceBuffer, Func, Gpu};
-use super::gemv::{Gemv, GemvKind, GemvLaunch};
-use super::skinny_gemm::{SkinnyGemm, SkinnyKind, SkinnyLaunch};
+use super::gemv::{Gemv, GemvKind, GemvLaunch, Projection};
+use super::skinny_gemm::{SkinnyGemm, SkinnyKind};
 use crate::backend::{AttentionShape, Backend, BatchPlan, KvCacheDtype, KvCacheShape};
 use crate::error::{Error, Result};
 use crate::model::loader::HostTensor;
@@ -418,17 +418,7 @@ impl CudaBackend {
         bias: Option<&CudaVector>,
         y: u64,
     ) -> Result<()> {
-        let launch = GemvLaunch {
-            kind,
-            rows: m,
-            x,
-            norm: norm.map(|(v, eps)| (v.buf.ptr(), eps)),
-            weight: weight.buf.ptr(),
-            n: weight.rows,
-            k: weight.cols,
-            bias: bias.map_or(0, |b| b.buf.ptr()),
-            y,
-        };
+        let launch = GemvLaunch { kind, norm: norm.map(|(v, eps)| (v.buf.ptr(), eps)), op: projection(m, x, weight, bias, y) };
         self.inner.gemv.launch(&self.inner.gpu, &launch)
     }
 
@@ -449,17 +439,7 @@ impl CudaBackend {
 
     /// One skinny-GEMM launch: `x` is `[x.rows, weight.cols]`, the output goes to `y` (see [`SkinnyKind`]).
     fn launch_skinny(&self, kind: SkinnyKind, x: &CudaTensor, weight: &CudaMatrix, bias: Option<&CudaVector>, y: u64) -> Result<()> {
-        let launch = SkinnyLaunch {
-            kind,
-            rows: x.rows,
-            x: x.ptr(),
-            weight: weight.buf.ptr(),
-            n: weight.rows,
-            k: weight.cols,
-            bias: bias.map_or(0, |b| b.buf.ptr()),
-            y,
-        };
-        self.inner.skinny.launch(&self.inner.gpu, &launch)
+        self.inner.skinny.launch(&self.inner.gpu, kind, &projection(x.rows, x.ptr(), weight, bias, y))
     }
 
     /// The tensor-core prefill attention, when this step has prompts long enough to fill its query tiles.
@@ -601,6 +581,11 @@ impl CudaBackend {
     fn block_for(cols: usize) -> u32 {
         (cols / 8).div_ceil(32).clamp(1, 32) as u32 * 32
     }
+}
+
+/// The operands of `y = x · weightᵀ (+ bias)` with `x` `[rows, weight.cols]` at `x`.
+fn projection(rows: usize, x: u64, weight: &CudaMatrix, bias: Option<&CudaVector>, y: u64) -> Projection {
+    Projection { rows, x, weight: weight.buf.ptr(), n: weight.rows, k: weight.cols, bias: bias.map_or(0, |b| b.buf.ptr()), y }
 }
 
 fn to_bf16(data: &[f32]) -> Vec<bf16> {

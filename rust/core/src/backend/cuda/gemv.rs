@@ -51,19 +51,25 @@ pub(super) enum GemvKind {
 /// Kernel names per [`GemvKind`], in its order: `gemv_{name}_m{rows}` and `gemv_bulk_{name}_m{rows}`.
 const KIND_NAMES: [&str; 4] = ["plain_store", "plain_add", "norm_store", "norm_silu"];
 
-/// One projection: `x` is `[rows, k]` at `x`, the weight `[n, k]` at `weight`, the output goes to `y`.
-pub(super) struct GemvLaunch {
-    pub kind: GemvKind,
+/// One projection's operands, as both our kernel families take them (this one and skinny_gemm.rs): `x` is
+/// `[rows, k]` at `x`, the weight `[n, k]` at `weight`, the output goes to `y`.
+pub(super) struct Projection {
     pub rows: usize,
     pub x: u64,
-    /// (norm weights, epsilon) for the Norm kinds.
-    pub norm: Option<(u64, f32)>,
     pub weight: u64,
     pub n: usize,
     pub k: usize,
     /// 0: none.
     pub bias: u64,
     pub y: u64,
+}
+
+/// One GEMV launch: the projection, what the kernel does around it, and for the Norm kinds the RMSNorm's
+/// (weights, epsilon).
+pub(super) struct GemvLaunch {
+    pub kind: GemvKind,
+    pub norm: Option<(u64, f32)>,
+    pub op: Projection,
 }
 
 /// (GEMV kind, rows, bytes of dynamic shared memory): what a register-family kernel's occupancy depends on.
@@ -120,8 +126,8 @@ impl Gemv {
 
     pub fn launch(&self, gpu: &Gpu, p: &GemvLaunch) -> Result<()> {
         match (&self.bulk, self.bulk_stages(p)) {
-            (Some(bulk), Some((stage_rows, stages, smem))) if p.rows != 2 => {
-                let f = bulk[p.kind as usize][p.rows - 1];
+            (Some(bulk), Some((stage_rows, stages, smem))) if p.op.rows != 2 => {
+                let f = bulk[p.kind as usize][p.op.rows - 1];
                 let mut args = common_args(p);
                 args.extend([Arg::I32(stage_rows as i32), Arg::I32(stages as i32)]);
                 gpu.launch_smem(f, (gpu.sm_count as u32, 1, 1), GEMV_THREADS, smem as u32, &args)
@@ -136,21 +142,21 @@ impl Gemv {
     /// even a ring of two one-row stages beside the input rows would not fit. A stage holds whole rows, a
     /// multiple of the block's 8 warps when that many fit (a warp takes a row at a time).
     fn bulk_stages(&self, p: &GemvLaunch) -> Option<(usize, usize, usize)> {
-        let row_bytes = if p.kind == GemvKind::NormSilu { 2 } else { 1 } * p.k * 2;
+        let row_bytes = if p.kind == GemvKind::NormSilu { 2 } else { 1 } * p.op.k * 2;
         let fit = BULK_STAGE_BYTES / row_bytes;
         let stage_rows = if fit >= GEMV_WARPS { fit - fit % GEMV_WARPS } else { fit.max(1) };
         let stage = stage_rows * row_bytes;
         let stages = (BULK_RING_BYTES / stage).clamp(2, BULK_MAX_STAGES);
-        let smem = p.rows * p.k * 2 + stages * stage;
+        let smem = p.op.rows * p.op.k * 2 + stages * stage;
         (smem <= self.bulk_smem).then_some((stage_rows, stages, smem))
     }
 
     fn launch_registers(&self, gpu: &Gpu, p: &GemvLaunch) -> Result<()> {
-        let cols = if p.kind == GemvKind::NormSilu { p.n / 2 } else { p.n };
-        let wpr = split_k(cols, p.k, gpu.sm_count);
+        let cols = if p.kind == GemvKind::NormSilu { p.op.n / 2 } else { p.op.n };
+        let wpr = split_k(cols, p.op.k, gpu.sm_count);
         let groups = cols.div_ceil(GEMV_WARPS / wpr);
-        let f = self.registers[p.kind as usize][p.rows - 1];
-        let smem = (p.rows * p.k * 2) as u32;
+        let f = self.registers[p.kind as usize][p.op.rows - 1];
+        let smem = (p.op.rows * p.op.k * 2) as u32;
         // One wave: a second, partial wave would wait a whole DRAM round trip for the first. Blocks loop over
         // the row groups (staging and normalizing their input once), and the groups are spread evenly.
         let resident = self.blocks_per_multiprocessor(gpu, p, f, smem)? * gpu.sm_count;
@@ -161,7 +167,7 @@ impl Gemv {
     }
 
     fn blocks_per_multiprocessor(&self, gpu: &Gpu, p: &GemvLaunch, f: Func, smem: u32) -> Result<usize> {
-        let key = (p.kind as usize, p.rows, smem);
+        let key = (p.kind as usize, p.op.rows, smem);
         let mut known = self.occupancy.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(&(_, blocks)) = known.iter().find(|(k, _)| *k == key) {
             return Ok(blocks);
@@ -176,14 +182,14 @@ impl Gemv {
 fn common_args(p: &GemvLaunch) -> Vec<Arg> {
     let (norm, eps) = p.norm.unwrap_or((0, 0.0));
     vec![
-        Arg::Ptr(p.x),
+        Arg::Ptr(p.op.x),
         Arg::Ptr(norm),
         Arg::F32(eps),
-        Arg::Ptr(p.weight),
-        Arg::Ptr(p.bias),
-        Arg::Ptr(p.y),
-        Arg::I32(p.n as i32),
-        Arg::I32(p.k as i32),
+        Arg::Ptr(p.op.weight),
+        Arg::Ptr(p.op.bias),
+        Arg::Ptr(p.op.y),
+        Arg::I32(p.op.n as i32),
+        Arg::I32(p.op.k as i32),
     ]
 }
 

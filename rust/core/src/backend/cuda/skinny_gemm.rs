@@ -4,6 +4,7 @@
 //! kernel of its own: every block would need whole rows for it).
 
 use super::device::{Arg, DeviceBuffer, Func, Gpu};
+use super::gemv::Projection;
 use crate::error::{Error, Result};
 
 /// Tokens one block covers (SKINNY_TOKENS): the kernel is instantiated for 1..=4 tiles of 8 tokens, and larger
@@ -43,19 +44,6 @@ pub(super) enum SkinnyKind {
 }
 
 const KIND_NAMES: [&str; 3] = ["store", "add", "silu"];
-
-/// One projection: `x` is `[rows, k]`, the weight `[n, k]`, the output goes to `y`.
-pub(super) struct SkinnyLaunch {
-    pub kind: SkinnyKind,
-    pub rows: usize,
-    pub x: u64,
-    pub weight: u64,
-    pub n: usize,
-    pub k: usize,
-    /// 0: none.
-    pub bias: u64,
-    pub y: u64,
-}
 
 pub(super) struct SkinnyGemm {
     /// `kernels[kind][token tiles - 1]`
@@ -105,10 +93,10 @@ impl SkinnyGemm {
         (1..=self.max_rows).contains(&m) && n.is_multiple_of(32) && n <= MAX_OUTPUTS && k.is_multiple_of(CHUNK_K)
     }
 
-    pub fn launch(&self, gpu: &Gpu, p: &SkinnyLaunch) -> Result<()> {
+    pub fn launch(&self, gpu: &Gpu, kind: SkinnyKind, p: &Projection) -> Result<()> {
         let tiles_per_block = p.rows.min(BLOCK_TOKENS).div_ceil(TOKEN_TILE);
-        let f = self.kernels[p.kind as usize][tiles_per_block - 1];
-        let out_tiles = if p.kind == SkinnyKind::Silu { p.n / 2 / 16 } else { p.n / 32 };
+        let f = self.kernels[kind as usize][tiles_per_block - 1];
+        let out_tiles = if kind == SkinnyKind::Silu { p.n / 2 / 16 } else { p.n / 32 };
         let token_chunks = p.rows.div_ceil(BLOCK_TOKENS);
         let wave = self.resident[tiles_per_block - 1] * self.sm_count;
         let splits = splits(out_tiles * token_chunks, wave, p.k / CHUNK_K);
