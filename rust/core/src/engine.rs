@@ -14,14 +14,14 @@ use crate::intent::IntentBuilder;
 use crate::request::{FinishReason, GenerationRequest, GenerationResponse};
 use crate::state::PoolCounts;
 use crate::prefill_group::seat_prefill_group;
-use crate::step::{AdmissionIntent, ImmutableDecodeBatch, ImmutablePrefillGroup, StepResult};
+use crate::step::{AdmissionIntent, ImmutableDecodeBatch, ImmutablePrefillGroup, StepResult, TokenDelta};
 use crate::stepped::materialize;
 use crate::stepper_handle::StepperHandle;
 
 /// What a request's stream carries, in order: deltas, then exactly one Finished.
 #[derive(Debug, Clone, PartialEq)]
 pub enum EngineEvent {
-    Delta { token_ids: Vec<u32>, text: String },
+    Delta(TokenDelta),
     Finished(GenerationResponse),
 }
 
@@ -244,7 +244,7 @@ impl Actor {
             run.streamed_tokens += delta.token_ids.len();
             run.streamed_text += delta.text.len();
             generated += delta.token_ids.len() as u64;
-            if run.events.send(EngineEvent::Delta { token_ids: delta.token_ids, text: delta.text }).is_err() {
+            if run.events.send(EngineEvent::Delta(delta)).is_err() {
                 gone.push(id); // the caller dropped its stream: cancel so the next tick frees its slot
             }
         }
@@ -256,14 +256,15 @@ impl Actor {
             let id = batch.identity.request_id;
             let Some(run) = self.forget(id) else { continue };
             let response = materialize(&batch, &[]);
-            let tail_tokens = response.output_ids[run.streamed_tokens.min(response.output_ids.len())..].to_vec();
-            let tail_text = response.output_text.get(run.streamed_text..).unwrap_or("").to_string();
+            let tail_tokens = &response.output_ids[run.streamed_tokens.min(response.output_ids.len())..];
+            let tail_text = response.output_text.get(run.streamed_text..).unwrap_or("");
             self.add_stat(|s| {
                 s.generated_tokens += tail_tokens.len() as u64;
                 s.cached_prompt_tokens += batch.cached_prompt_tokens as u64;
             });
             if !tail_tokens.is_empty() || !tail_text.is_empty() {
-                let _ = run.events.send(EngineEvent::Delta { token_ids: tail_tokens, text: tail_text });
+                let tail = TokenDelta { token_ids: tail_tokens.into(), text: tail_text.into() };
+                let _ = run.events.send(EngineEvent::Delta(tail));
             }
             self.count_finish(response.finish_reason);
             let _ = run.events.send(EngineEvent::Finished(response));

@@ -1,5 +1,8 @@
 //! GenerationSession: the live sequences, keyed by resident slot, with their watermarks and finish states.
 
+use compact_str::CompactString;
+use smallvec::SmallVec;
+
 use crate::ids::{ResidentRef, SequenceIdentity};
 use crate::request::{FinishReason, SamplingParams, TokenLogprob};
 use crate::state::budget::Lease;
@@ -63,9 +66,12 @@ impl SequenceRow {
         if self.watermark == self.output_ids.len() {
             return None;
         }
-        let token_ids = self.output_ids[self.watermark..].to_vec();
+        let token_ids = SmallVec::from_slice(&self.output_ids[self.watermark..]);
         self.watermark = self.output_ids.len();
-        Some(TokenDelta { token_ids, text: std::mem::take(&mut self.unreported_text) })
+        // Copied out, not taken: the buffer keeps its capacity for the next tick's text.
+        let text = CompactString::from(self.unreported_text.as_str());
+        self.unreported_text.clear();
+        Some(TokenDelta { token_ids, text })
     }
 
     /// The snapshot carried by a finished result.

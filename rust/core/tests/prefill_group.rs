@@ -65,7 +65,7 @@ fn a_group_prefill_gives_each_request_what_it_gets_alone() {
         assert_eq!(step.execution.tokens, 13 + 5 + 21);
         for (i, r) in targets.iter().enumerate() {
             let delta = step.deltas.iter().find(|(d, _)| d == r).expect("every target gets its first token");
-            assert_eq!(delta.1.token_ids, vec![alone[i][0]], "{name}: first token of request {i}");
+            assert_eq!(delta.1.token_ids.as_slice(), &[alone[i][0]], "{name}: first token of request {i}");
         }
         let mut outputs = std::collections::BTreeMap::new();
         while !stepper2.residents().unwrap().is_empty() {

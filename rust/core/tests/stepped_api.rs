@@ -31,7 +31,7 @@ fn greedy_ids_match_transformers_for_every_fixture_with_a_mid_stream_admission()
         let mut stepped = coord.begin_stepped(greedy_ids(p0, g0.len()), 1, 0).unwrap();
         let founder = stepped.residents().unwrap()[0];
         let first = stepped.prefill(&ImmutablePrefillBatch { target: founder }).unwrap();
-        assert_eq!(first.deltas[0].1.token_ids, vec![g0[0]], "{name}: founder's first token");
+        assert_eq!(first.deltas[0].1.token_ids.as_slice(), &[g0[0]], "{name}: founder's first token");
         let mut out = std::collections::BTreeMap::new();
         // one decode step, then admit the rest mid-stream
         let r = stepped.decode(&ImmutableDecodeBatch { residents: stepped.residents().unwrap() }).unwrap();

@@ -224,9 +224,10 @@ impl PyRequestStream {
                 .recv_timeout(timeout)
         })?;
         match event {
-            Ok(EngineEvent::Delta { token_ids, text }) => {
-                Ok(Polled::Chunk(PyStreamChunk { token_ids, text }))
-            }
+            Ok(EngineEvent::Delta(delta)) => Ok(Polled::Chunk(PyStreamChunk {
+                token_ids: delta.token_ids.into_vec(),
+                text: delta.text.into_string(),
+            })),
             Ok(EngineEvent::Finished(response)) => {
                 *self.response_slot() = Some(response);
                 self.done.store(true, Ordering::SeqCst);

@@ -179,18 +179,18 @@ pub struct PyTokenDelta(pub TokenDelta);
 impl PyTokenDelta {
     #[new]
     fn new(token_ids: Vec<u32>, text: String) -> Self {
-        Self(TokenDelta { token_ids, text })
+        Self(TokenDelta { token_ids: token_ids.into(), text: text.into() })
     }
     #[getter]
     fn token_ids(&self) -> Vec<u32> {
-        self.0.token_ids.clone()
+        self.0.token_ids.to_vec()
     }
     #[getter]
     fn text(&self) -> &str {
         &self.0.text
     }
     fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
-        py_repr!(py, "TokenDelta", "token_ids" => self.0.token_ids.clone(), "text" => self.0.text.as_str())
+        py_repr!(py, "TokenDelta", "token_ids" => self.0.token_ids.to_vec(), "text" => self.0.text.as_str())
     }
 }
 
