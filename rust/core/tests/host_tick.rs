@@ -110,8 +110,19 @@ fn tokenizer() -> (Tokenizer, &'static str) {
     if let Some(vocab) = common::default_gguf().and_then(|p| GgufModel::open(p).ok()).and_then(|g| g.vocab().ok()) {
         return (Tokenizer::from_bpe_vocab(vocab).unwrap(), "SmolLM2 (49152 tokens)");
     }
-    let path = common::fixture_dir("llama").join("tokenizer.json");
-    (Tokenizer::from_file(&path).unwrap(), "llama fixture (400 tokens)")
+    (fixture_tokenizer(), "llama fixture (400 tokens)")
+}
+
+/// The llama fixture's tokenizer: what the always-run tests use, so they need no installed model.
+fn fixture_tokenizer() -> Tokenizer {
+    Tokenizer::from_file(&common::fixture_dir("llama").join("tokenizer.json")).unwrap()
+}
+
+/// The fixture's tokenizer and its script ids, as the always-run tests share them.
+fn fixture_tokenizer_and_script() -> (Arc<Tokenizer>, Arc<Vec<u32>>) {
+    let tok = Arc::new(fixture_tokenizer());
+    let script = Arc::new(script_ids(&tok));
+    (tok, script)
 }
 
 /// The script's ids, without the EOS id, so no sequence ends early.
@@ -283,9 +294,7 @@ fn decode_tick_host_time() {
 /// Cheap and timing-free: the null-runner path streams exactly the script's text and commits every token.
 #[test]
 fn null_runner_ticks_stream_the_script() {
-    let path = common::fixture_dir("llama").join("tokenizer.json");
-    let tok = Arc::new(Tokenizer::from_file(&path).unwrap());
-    let script = Arc::new(script_ids(&tok));
+    let (tok, script) = fixture_tokenizer_and_script();
     for commit in [CommitPolicy::PrefillOnly, CommitPolicy::IncludingGenerated] {
         let s = Setup { batch: 3, prompt_len: 40, ticks: 30, commit, stops: Vec::new() };
         let mut st = stepper(&tok, &script, &s);
@@ -327,9 +336,7 @@ fn allocations_per_tick(tok: &Arc<Tokenizer>, script: &Arc<Vec<u32>>, batch: usi
 
 #[test]
 fn decode_ticks_allocate_per_tick_not_per_token() {
-    let path = common::fixture_dir("llama").join("tokenizer.json");
-    let tok = Arc::new(Tokenizer::from_file(&path).unwrap());
-    let script = Arc::new(script_ids(&tok));
+    let (tok, script) = fixture_tokenizer_and_script();
     for commit in [CommitPolicy::PrefillOnly, CommitPolicy::IncludingGenerated] {
         let small = allocations_per_tick(&tok, &script, 8, commit);
         let large = allocations_per_tick(&tok, &script, 64, commit);
