@@ -16,6 +16,12 @@ requests with max_tokens 1 (their prefills and first tokens), so that the decode
 
 With programmatic dependent launch (the default on Hopper) a kernel's time includes the part it spent waiting
 for its predecessor, so per-kernel figures overlap; set STEPLLM_NO_PDL=1 for a breakdown that adds up.
+
+--exposed keeps PDL on and charges each kernel only the time by which it moved the end of the work on: the time
+from the later of its own start and its predecessor's end to its own end (time with no kernel running, between
+graph replays, is listed as idle). The exposed times and the idle time add up to the wall time of the ticks:
+
+    python3 benchmarks/gpu_profile.py --models /tmp/gm --shape qwen3 --batch 1 --context 128 --exposed
 """
 
 from __future__ import annotations
@@ -30,6 +36,25 @@ import stepllm
 from gpu_decode import greedy_request, mixed_config, mixed_warmup, mixed_workload, seat_residents
 
 
+def exposed_times(prof) -> tuple[dict[str, list[float]], float]:
+    """Each kernel launch's exposed time (µs, by kernel name as in kernel_times), and the idle time between
+    kernels: launches are taken in start order, and a launch's exposed time runs from the later of its start and
+    the previous launch's end to its own end."""
+    import torch
+
+    spans = sorted((e.time_range.start, e.time_range.end, e.name[:60]) for e in prof.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA)
+    exposed: dict[str, list[float]] = {}
+    idle, last_end = 0.0, None
+    for start, end, name in spans:
+        begin = start if last_end is None else max(start, last_end)
+        if last_end is not None and start > last_end:
+            idle += start - last_end
+        exposed.setdefault(name, []).append(max(0.0, end - begin))
+        last_end = end if last_end is None else max(last_end, end)
+    return exposed, idle
+
+
 def kernel_times(prof) -> dict[str, list[float]]:
     """GPU time (µs) of every kernel launch a torch.profiler run recorded, by kernel name (first 60 characters)."""
     import torch
@@ -41,7 +66,10 @@ def kernel_times(prof) -> dict[str, list[float]]:
     return kernels
 
 
-def profile_ticks(path: Path, batch: int, context: int, ticks: int, graphs: bool) -> tuple[dict[str, list[float]], float]:
+def profile_ticks(path: Path, batch: int, context: int, ticks: int, graphs: bool, exposed: bool = False
+                  ) -> tuple[dict[str, list[float]], float]:
+    """Per-kernel GPU times of `ticks` decode ticks and their total per tick; with `exposed`, exposed times
+    (exposed_times) and the idle time per tick (listed as the kernel "(idle: no kernel running)")."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -68,7 +96,11 @@ def profile_ticks(path: Path, batch: int, context: int, ticks: int, graphs: bool
             torch.cuda.synchronize()
     finally:
         stepped.abort()
-    kernels = kernel_times(prof)
+    if exposed:
+        kernels, idle = exposed_times(prof)
+        kernels["(idle: no kernel running)"] = [idle]
+    else:
+        kernels = kernel_times(prof)
     total = sum(sum(v) for v in kernels.values()) / ticks
     return kernels, total
 
@@ -154,15 +186,21 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=14, help="kernels to list")
     ap.add_argument("--mixed", action="store_true", help="profile the mixed workload through the engine instead")
     ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
+    ap.add_argument("--exposed", action="store_true",
+                    help="charge each kernel only the time it adds past its predecessor's end (PDL stays on)")
     args = ap.parse_args()
     if args.mixed:
         print_mixed(Path(args.models), args.shape, args.kv_cache_dtype, args.top)
         return
     path = gpu_models.make(args.shape, Path(args.models))
-    kernels, total = profile_ticks(path, args.batch, args.context, args.ticks, not args.no_graphs)
+    kernels, total = profile_ticks(path, args.batch, args.context, args.ticks, not args.no_graphs, args.exposed)
     pdl = "off" if os.environ.get("STEPLLM_NO_PDL") else "on (per-kernel times overlap)"
-    print(f"{args.shape}, batch {args.batch}, context ~{args.context + 8}, PDL {pdl}: "
-          f"GPU time per decode tick {total:.1f} us\n")
+    if args.exposed:
+        print(f"{args.shape}, batch {args.batch}, context ~{args.context + 8}, PDL on, exposed times: "
+              f"wall time per decode tick {total:.1f} us\n")
+    else:
+        print(f"{args.shape}, batch {args.batch}, context ~{args.context + 8}, PDL {pdl}: "
+              f"GPU time per decode tick {total:.1f} us\n")
     print("| kernel | launches per tick | us each | us per tick |")
     print("|---|---|---|---|")
     ranked = sorted(kernels.items(), key=lambda kv: -sum(kv[1]))[: args.top]

@@ -204,6 +204,37 @@ def test_graph_decode_equals_eager(models_dir: Path) -> None:
     assert [r.output_ids for r in eager] == [r.output_ids for r in graphed]
 
 
+def test_graph_decode_of_long_contexts_equals_eager(models_dir: Path) -> None:
+    """Two rows past 1024 tokens of context (block tables of 69 and 81 entries at the first step) decoded from a graph: every step
+    replays one, and gives the tokens of the same steps run eagerly."""
+    path = gpu_models.make("smollm2", models_dir)
+    prompts = [[(7 * i + 3 * k) % 997 + 2 for i in range(n)] for k, n in enumerate((1100, 1290))]
+    reqs = [stepllm.GenerationRequest(p, greedy(12)) for p in prompts]
+
+    def run(coord: stepllm.RuntimeCoordinator) -> tuple[list[list[int]], list[bool]]:
+        """Both requests prefilled one by one, then decoded together: (their tokens, graph replay per step)."""
+        stepped = coord.begin_stepped(reqs[0])
+        stepped.prefill(stepllm.ImmutablePrefillBatch(target=stepped.founder()))
+        adm = stepped.admit(reqs[1], original_index=1, request_id=2)
+        stepped.prefill(stepllm.ImmutablePrefillBatch(target=adm.ref))
+        done: dict[int, stepllm.GenerationResponse] = {}
+        replays = []
+        while stepped.residents():
+            step = stepped.decode(stepllm.ImmutableDecodeBatch(residents=stepped.residents()))
+            replays.append(step.execution.cuda_graph)
+            for _, result in step.finished:
+                done[result.identity.original_index] = stepped.materialize(result)
+        tokens = [stepped.finish().output_ids, done[1].output_ids]
+        assert_released(coord)
+        return tokens, replays
+
+    eager, eager_replays = run(coordinator(path, "cuda"))
+    graphed, replays = run(coordinator(path, "cuda", graphs=True))
+    assert not any(eager_replays) and replays and all(replays), (eager_replays, replays)
+    assert graphed == eager
+    assert [len(t) for t in graphed] == [12, 12]
+
+
 def assert_matches_cublas(path: Path, prompts: list[list[int]], monkeypatch: pytest.MonkeyPatch, what: object) -> None:
     """Greedy runs of `prompts` as one batch (graphs captured) with the projection kernels the environment selects,
     against the same run with every projection on cuBLAS (STEPLLM_GEMV_MAX_ROWS=0, STEPLLM_SKINNY_GEMM_MAX_ROWS=0)."""
