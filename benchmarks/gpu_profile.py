@@ -98,7 +98,7 @@ def profile_ticks(path: Path, batch: int, context: int, ticks: int, graphs: bool
         stepped.abort()
     if exposed:
         kernels, idle = exposed_times(prof)
-        kernels["(idle: no kernel running)"] = [idle]
+        kernels["(idle: no kernel running)"] = [idle / ticks] * ticks  # listed as once per tick
     else:
         kernels = kernel_times(prof)
     total = sum(sum(v) for v in kernels.values()) / ticks
