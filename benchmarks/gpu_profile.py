@@ -36,34 +36,33 @@ import stepllm
 from gpu_decode import greedy_request, mixed_config, mixed_warmup, mixed_workload, seat_residents
 
 
-def exposed_times(prof) -> tuple[dict[str, list[float]], float]:
-    """Each kernel launch's exposed time (µs, by kernel name as in kernel_times), and the idle time between
-    kernels: launches are taken in start order, and a launch's exposed time runs from the later of its start and
-    the previous launch's end to its own end."""
+def gpu_events(prof) -> list:
+    """The GPU-side events (kernels, copies) a torch.profiler run recorded."""
     import torch
 
-    spans = sorted((e.time_range.start, e.time_range.end, e.name[:60]) for e in prof.events()
-                   if e.device_type == torch.autograd.DeviceType.CUDA)
-    exposed: dict[str, list[float]] = {}
-    idle, last_end = 0.0, None
-    for start, end, name in spans:
-        begin = start if last_end is None else max(start, last_end)
-        if last_end is not None and start > last_end:
-            idle += start - last_end
-        exposed.setdefault(name, []).append(max(0.0, end - begin))
-        last_end = end if last_end is None else max(last_end, end)
-    return exposed, idle
+    return [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
 
 
 def kernel_times(prof) -> dict[str, list[float]]:
     """GPU time (µs) of every kernel launch a torch.profiler run recorded, by kernel name (first 60 characters)."""
-    import torch
-
     kernels: dict[str, list[float]] = {}
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            kernels.setdefault(event.name[:60], []).append(event.device_time)
+    for event in gpu_events(prof):
+        kernels.setdefault(event.name[:60], []).append(event.device_time)
     return kernels
+
+
+def exposed_times(prof) -> tuple[dict[str, list[float]], float]:
+    """Each kernel launch's exposed time (µs, by kernel name as in kernel_times), and the idle time between
+    kernels: launches are taken in start order, and a launch's exposed time runs from the later of its start and
+    the latest end so far to its own end."""
+    spans = sorted((e.time_range.start, e.time_range.end, e.name[:60]) for e in gpu_events(prof))
+    exposed: dict[str, list[float]] = {}
+    idle, last_end = 0.0, spans[0][0] if spans else 0.0
+    for start, end, name in spans:
+        idle += max(0.0, start - last_end)
+        exposed.setdefault(name, []).append(max(0.0, end - max(start, last_end)))
+        last_end = max(last_end, end)
+    return exposed, idle
 
 
 def profile_ticks(path: Path, batch: int, context: int, ticks: int, graphs: bool, exposed: bool = False
@@ -194,13 +193,11 @@ def main() -> None:
         return
     path = gpu_models.make(args.shape, Path(args.models))
     kernels, total = profile_ticks(path, args.batch, args.context, args.ticks, not args.no_graphs, args.exposed)
-    pdl = "off" if os.environ.get("STEPLLM_NO_PDL") else "on (per-kernel times overlap)"
     if args.exposed:
-        print(f"{args.shape}, batch {args.batch}, context ~{args.context + 8}, PDL on, exposed times: "
-              f"wall time per decode tick {total:.1f} us\n")
+        what = "PDL on, exposed times: wall time"
     else:
-        print(f"{args.shape}, batch {args.batch}, context ~{args.context + 8}, PDL {pdl}: "
-              f"GPU time per decode tick {total:.1f} us\n")
+        what = f"PDL {'off' if os.environ.get('STEPLLM_NO_PDL') else 'on (per-kernel times overlap)'}: GPU time"
+    print(f"{args.shape}, batch {args.batch}, context ~{args.context + 8}, {what} per decode tick {total:.1f} us\n")
     print("| kernel | launches per tick | us each | us per tick |")
     print("|---|---|---|---|")
     ranked = sorted(kernels.items(), key=lambda kv: -sum(kv[1]))[: args.top]

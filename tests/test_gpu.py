@@ -204,37 +204,6 @@ def test_graph_decode_equals_eager(models_dir: Path) -> None:
     assert [r.output_ids for r in eager] == [r.output_ids for r in graphed]
 
 
-def test_graph_decode_of_long_contexts_equals_eager(models_dir: Path) -> None:
-    """Two rows past 1024 tokens of context (block tables of 69 and 81 entries at the first step) decoded from a graph: every step
-    replays one, and gives the tokens of the same steps run eagerly."""
-    path = gpu_models.make("smollm2", models_dir)
-    prompts = [[(7 * i + 3 * k) % 997 + 2 for i in range(n)] for k, n in enumerate((1100, 1290))]
-    reqs = [stepllm.GenerationRequest(p, greedy(12)) for p in prompts]
-
-    def run(coord: stepllm.RuntimeCoordinator) -> tuple[list[list[int]], list[bool]]:
-        """Both requests prefilled one by one, then decoded together: (their tokens, graph replay per step)."""
-        stepped = coord.begin_stepped(reqs[0])
-        stepped.prefill(stepllm.ImmutablePrefillBatch(target=stepped.founder()))
-        adm = stepped.admit(reqs[1], original_index=1, request_id=2)
-        stepped.prefill(stepllm.ImmutablePrefillBatch(target=adm.ref))
-        done: dict[int, stepllm.GenerationResponse] = {}
-        replays = []
-        while stepped.residents():
-            step = stepped.decode(stepllm.ImmutableDecodeBatch(residents=stepped.residents()))
-            replays.append(step.execution.cuda_graph)
-            for _, result in step.finished:
-                done[result.identity.original_index] = stepped.materialize(result)
-        tokens = [stepped.finish().output_ids, done[1].output_ids]
-        assert_released(coord)
-        return tokens, replays
-
-    eager, eager_replays = run(coordinator(path, "cuda"))
-    graphed, replays = run(coordinator(path, "cuda", graphs=True))
-    assert not any(eager_replays) and replays and all(replays), (eager_replays, replays)
-    assert graphed == eager
-    assert [len(t) for t in graphed] == [12, 12]
-
-
 def assert_matches_cublas(path: Path, prompts: list[list[int]], monkeypatch: pytest.MonkeyPatch, what: object) -> None:
     """Greedy runs of `prompts` as one batch (graphs captured) with the projection kernels the environment selects,
     against the same run with every projection on cuBLAS (STEPLLM_GEMV_MAX_ROWS=0, STEPLLM_SKINNY_GEMM_MAX_ROWS=0)."""
@@ -307,6 +276,27 @@ def assert_released(coord: stepllm.RuntimeCoordinator) -> None:
     assert c["live_slots"] == 0 and c["leased_blocks"] == 0, c
 
 
+def run_pair_stepped(coord: stepllm.RuntimeCoordinator, a: stepllm.GenerationRequest, b: stepllm.GenerationRequest,
+                     decodes_before_b: int = 0) -> tuple[list[list[int]], list]:
+    """A stepped session: A as the founder, prefilled and decoded `decodes_before_b` times; then B admitted and
+    prefilled, and both decoded until done. Returns (A's and B's tokens, the executions of the decode steps
+    after B's admission)."""
+    stepped = coord.begin_stepped(a)
+    stepped.prefill(stepllm.ImmutablePrefillBatch(target=stepped.founder()))
+    for _ in range(decodes_before_b):
+        stepped.decode(stepllm.ImmutableDecodeBatch(residents=stepped.residents()))
+    adm = stepped.admit(b, original_index=1, request_id=2)
+    stepped.prefill(stepllm.ImmutablePrefillBatch(target=adm.ref))
+    done: dict[int, stepllm.GenerationResponse] = {}
+    executions = []
+    while stepped.residents():
+        step = stepped.decode(stepllm.ImmutableDecodeBatch(residents=stepped.residents()))
+        executions.append(step.execution)
+        for _, result in step.finished:
+            done[result.identity.original_index] = stepped.materialize(result)
+    return [stepped.finish().output_ids, done[1].output_ids], executions
+
+
 def test_stepped_admission_mid_stream_on_gpu(models_dir: Path) -> None:
     """B admitted while A decodes from graphs gives what each gives alone; every decode step replays a graph."""
     path = gpu_models.make("smollm2", models_dir)
@@ -315,22 +305,28 @@ def test_stepped_admission_mid_stream_on_gpu(models_dir: Path) -> None:
     alone_a = run_alone(coordinator(path, "cuda", graphs=True), a)
     alone_b = run_alone(coordinator(path, "cuda", graphs=True), b)
     coord = coordinator(path, "cuda", graphs=True)
-    stepped = coord.begin_stepped(a)
-    stepped.prefill(stepllm.ImmutablePrefillBatch(target=stepped.founder()))
-    for _ in range(4):
-        stepped.decode(stepllm.ImmutableDecodeBatch(residents=stepped.residents()))
-    adm = stepped.admit(b, original_index=1, request_id=2)
-    stepped.prefill(stepllm.ImmutablePrefillBatch(target=adm.ref))
-    done: dict[int, stepllm.GenerationResponse] = {}
-    while stepped.residents():
-        step = stepped.decode(stepllm.ImmutableDecodeBatch(residents=stepped.residents()))
-        ex = step.execution
+    (tokens_a, tokens_b), executions = run_pair_stepped(coord, a, b, decodes_before_b=4)
+    for ex in executions:
         assert ex.cuda_graph and 0 <= ex.device_wait_us <= ex.elapsed_us, ex
-        for _, result in step.finished:
-            done[result.identity.original_index] = stepped.materialize(result)
-    assert stepped.finish().output_ids == alone_a.output_ids
-    assert done[1].output_ids == alone_b.output_ids
+    assert tokens_a == alone_a.output_ids
+    assert tokens_b == alone_b.output_ids
     assert_released(coord)
+
+
+def test_graph_decode_of_long_contexts_equals_eager(models_dir: Path) -> None:
+    """Two rows past 1024 tokens of context (block tables of 69 and 81 entries at the first step) decoded from a
+    graph: every step replays one, and gives the tokens of the same steps run eagerly."""
+    path = gpu_models.make("smollm2", models_dir)
+    prompts = [[(7 * i + 3 * k) % 997 + 2 for i in range(n)] for k, n in enumerate((1100, 1290))]
+    a, b = (stepllm.GenerationRequest(p, greedy(12)) for p in prompts)
+    eager_coord, graphed_coord = coordinator(path, "cuda"), coordinator(path, "cuda", graphs=True)
+    eager, eager_steps = run_pair_stepped(eager_coord, a, b)
+    graphed, steps = run_pair_stepped(graphed_coord, a, b)
+    assert not any(ex.cuda_graph for ex in eager_steps) and steps and all(ex.cuda_graph for ex in steps)
+    assert graphed == eager
+    assert [len(t) for t in graphed] == [12, 12]
+    assert_released(eager_coord)
+    assert_released(graphed_coord)
 
 
 @pytest.mark.parametrize("name", ["qwen3", "smollm2"])
