@@ -65,15 +65,15 @@ def exposed_times(prof) -> tuple[dict[str, list[float]], float]:
     return exposed, idle
 
 
-def profile_ticks(path: Path, batch: int, context: int, ticks: int, graphs: bool, exposed: bool = False
-                  ) -> tuple[dict[str, list[float]], float]:
+def profile_ticks(path: Path, batch: int, context: int, ticks: int, graphs: bool, exposed: bool = False,
+                  kv_cache_dtype: str = "auto") -> tuple[dict[str, list[float]], float]:
     """Per-kernel GPU times of `ticks` decode ticks and their total per tick; with `exposed`, exposed times
     (exposed_times) and the idle time per tick (listed as the kernel "(idle: no kernel running)")."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     cfg = stepllm.Config(model=str(path), device="cuda", max_batch_size=batch, block_size=16,
-                         kv_cache_tokens=batch * (context + ticks + 32))
+                         kv_cache_tokens=batch * (context + ticks + 32), kv_cache_dtype=kv_cache_dtype)
     coord = stepllm.RuntimeCoordinator(cfg)
     if graphs:
         coord.capture_decoding_cuda_graph()
@@ -192,12 +192,14 @@ def main() -> None:
         print_mixed(Path(args.models), args.shape, args.kv_cache_dtype, args.top)
         return
     path = gpu_models.make(args.shape, Path(args.models))
-    kernels, total = profile_ticks(path, args.batch, args.context, args.ticks, not args.no_graphs, args.exposed)
+    kernels, total = profile_ticks(path, args.batch, args.context, args.ticks, not args.no_graphs, args.exposed,
+                                   args.kv_cache_dtype)
     if args.exposed:
         what = "PDL on, exposed times: wall time"
     else:
         what = f"PDL {'off' if os.environ.get('STEPLLM_NO_PDL') else 'on (per-kernel times overlap)'}: GPU time"
-    print(f"{args.shape}, batch {args.batch}, context ~{args.context + 8}, {what} per decode tick {total:.1f} us\n")
+    print(f"{args.shape}, batch {args.batch}, context ~{args.context + 8}, kv cache {args.kv_cache_dtype}, {what} per decode "
+          f"tick {total:.1f} us\n")
     print("| kernel | launches per tick | us each | us per tick |")
     print("|---|---|---|---|")
     ranked = sorted(kernels.items(), key=lambda kv: -sum(kv[1]))[: args.top]

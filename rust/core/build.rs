@@ -1,5 +1,7 @@
-//! Compiles kernels/*.cu to PTX and embeds it, twice: for compute_80 (the driver JITs it for sm_80 and up) and
-//! for compute_90 with programmatic dependent launch (`-DSTEPLLM_PDL`), which Hopper and newer load instead.
+//! Compiles kernels/*.cu and embeds the results, twice: as compute_80 PTX (the driver JITs it for sm_80 and up),
+//! and with programmatic dependent launch (`-DSTEPLLM_PDL`) as a fatbin of sm_90 machine code plus compute_90
+//! PTX, which Hopper and newer load instead. The machine code spares an H100/H200 the JIT of every module on a
+//! machine's first run (20-25 s measured on the H200, benchmarks/RESULTS.md); newer GPUs JIT the compute_90 PTX.
 //!
 //! nvcc is looked up in $NVCC, then in the PyPI package (`pip install "cuda-toolkit[nvcc,cccl]==13.0.*"`),
 //! then on PATH. Without nvcc the build still succeeds: the CUDA backend then reports, at run time, that
@@ -69,19 +71,22 @@ fn find_nvcc() -> Option<PathBuf> {
     env::split_paths(&path).map(|d| d.join("nvcc")).find(|p| p.is_file())
 }
 
-/// One module's PTX: (name, compute_80 PTX, compute_90 PTX with PDL).
+/// The first bytes of a fatbin (0xBA55ED50, little-endian).
+const FATBIN_MAGIC: [u8; 4] = [0x50, 0xED, 0x55, 0xBA];
+
+/// One module's images: (name, compute_80 PTX, sm_90 + compute_90 fatbin with PDL).
 type Module = (String, PathBuf, PathBuf);
 
 /// Compile every source for both targets in parallel (one nvcc per file and target).
 fn compile_all(nvcc: &Path, include: &Path, sources: &[PathBuf], out_dir: &Path) -> Vec<Module> {
-    let compile = |src: &Path, ptx: &Path, flags: &[&str]| {
+    let compile = |src: &Path, image: &Path, flags: &[&str]| {
         Command::new(nvcc)
-            .args(["--ptx", "-O3", "-std=c++17"])
+            .args(["-O3", "-std=c++17"])
             .args(flags)
             .arg("-I")
             .arg(include)
             .arg("-o")
-            .arg(ptx)
+            .arg(image)
             .arg(src)
             .spawn()
             .unwrap_or_else(|e| panic!("cannot run {}: {e}", nvcc.display()))
@@ -91,9 +96,11 @@ fn compile_all(nvcc: &Path, include: &Path, sources: &[PathBuf], out_dir: &Path)
         .map(|src| {
             let name = src.file_stem().unwrap().to_string_lossy().into_owned();
             let base = out_dir.join(format!("{name}.ptx"));
-            let pdl = out_dir.join(format!("{name}.sm90.ptx"));
-            let children =
-                [compile(src, &base, &["-arch=compute_80"]), compile(src, &pdl, &["-arch=compute_90", "-DSTEPLLM_PDL"])];
+            let pdl = out_dir.join(format!("{name}.sm90.fatbin"));
+            let children = [
+                compile(src, &base, &["--ptx", "-arch=compute_80"]),
+                compile(src, &pdl, &["--fatbin", "-gencode", "arch=compute_90,code=[sm_90,compute_90]", "-DSTEPLLM_PDL"]),
+            ];
             (name, base, pdl, children)
         })
         .collect();
@@ -103,6 +110,10 @@ fn compile_all(nvcc: &Path, include: &Path, sources: &[PathBuf], out_dir: &Path)
                 let status = child.wait().expect("nvcc did not run");
                 assert!(status.success(), "nvcc failed on kernels/{name}.cu (see the error above)");
             }
+            // The driver takes any image through one entry point; a PTX text where the fatbin belongs would load,
+            // and silently bring back the first run's JIT.
+            let magic = fs::read(&pdl).map(|b| b.get(..4) == Some(&FATBIN_MAGIC[..])).unwrap_or(false);
+            assert!(magic, "nvcc wrote {} but it is not a fatbin", pdl.display());
             (name, base, pdl)
         })
         .collect()
@@ -110,16 +121,16 @@ fn compile_all(nvcc: &Path, include: &Path, sources: &[PathBuf], out_dir: &Path)
 
 fn write_table(out_dir: &Path, modules: &[Module]) {
     let mut code = String::from(
-        "/// (module name, compute_80 PTX, compute_90 PTX with PDL) for every kernels/*.cu; empty without nvcc.\n",
+        "/// (module name, compute_80 PTX, sm_90 + compute_90 fatbin with PDL) for every kernels/*.cu; empty without nvcc.\n",
     );
-    code.push_str("pub const PTX_MODULES: &[(&str, &str, &str)] = &[\n");
+    code.push_str("pub const KERNEL_MODULES: &[(&str, &str, &[u8])] = &[\n");
     for (name, base, pdl) in modules {
         code.push_str(&format!(
-            "    ({name:?}, include_str!({:?}), include_str!({:?})),\n",
+            "    ({name:?}, include_str!({:?}), include_bytes!({:?})),\n",
             base.display().to_string(),
             pdl.display().to_string()
         ));
     }
     code.push_str("];\n");
-    fs::write(out_dir.join("ptx_modules.rs"), code).unwrap();
+    fs::write(out_dir.join("kernel_modules.rs"), code).unwrap();
 }

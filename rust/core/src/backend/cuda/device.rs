@@ -1,4 +1,4 @@
-//! The CUDA device: driver context, stream, PTX module table, device and pinned buffers, kernel launches.
+//! The CUDA device: driver context, stream, kernel module table, device and pinned buffers, kernel launches.
 //!
 //! Everything goes through cudarc's dynamic loading, and every entry point checks that the library is
 //! there first, so a machine without CUDA gets `Error::Device`, never a panic.
@@ -10,7 +10,7 @@ use cudarc::driver::{result, sys, CudaContext, CudaModule, CudaStream};
 
 use crate::error::{Error, Result};
 
-include!(concat!(env!("OUT_DIR"), "/ptx_modules.rs"));
+include!(concat!(env!("OUT_DIR"), "/kernel_modules.rs"));
 
 pub fn device_err(what: &str, e: impl std::fmt::Debug) -> Error {
     Error::Device(format!("{what}: {e:?}"))
@@ -55,12 +55,22 @@ impl Arg {
     }
 }
 
-/// One PTX module of the build, JIT-compiled by the driver when a kernel of it is first asked for, so that kernels
-/// a model never uses (the fp8-cache attention of a bf16-cache model) cost no load time.
+/// One kernel module of the build, loaded when a kernel of it is first asked for, so that kernels a model never
+/// uses (the fp8-cache attention of a bf16-cache model) cost no load time.
 struct Module {
     name: &'static str,
-    ptx: &'static str,
+    image: Image,
     loaded: OnceLock<Arc<CudaModule>>,
+}
+
+/// What the driver loads for a module (build.rs).
+#[derive(Clone, Copy)]
+enum Image {
+    /// compute_80 PTX, JIT-compiled for the device before Hopper.
+    Ptx(&'static str),
+    /// sm_90 machine code (loaded as it is on compute capability 9.0) and compute_90 PTX (JIT-compiled on newer
+    /// devices), built with programmatic dependent launch.
+    Fatbin(&'static [u8]),
 }
 
 /// The context, its one stream, and the modules.
@@ -78,7 +88,7 @@ pub struct Gpu {
 
 impl Gpu {
     pub fn new(ordinal: usize) -> Result<Self> {
-        if PTX_MODULES.is_empty() {
+        if KERNEL_MODULES.is_empty() {
             return Err(Error::Device(
                 "stepllm was built without CUDA kernels: install cuda-toolkit[nvcc,cccl]==13.0.* with pip (or set \
                  NVCC) and rebuild"
@@ -102,9 +112,13 @@ impl Gpu {
         let attribute = |a, what: &str| ctx.attribute(a).map_err(|e| device_err(what, e));
         let major = attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, "reading the compute capability")?;
         let hopper_or_newer = major >= 9;
-        let modules = PTX_MODULES
+        let modules = KERNEL_MODULES
             .iter()
-            .map(|&(name, base, pdl)| Module { name, ptx: if hopper_or_newer { pdl } else { base }, loaded: OnceLock::new() })
+            .map(|&(name, base, pdl)| Module {
+                name,
+                image: if hopper_or_newer { Image::Fatbin(pdl) } else { Image::Ptx(base) },
+                loaded: OnceLock::new(),
+            })
             .collect();
         let sm_count =
             attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, "reading the multiprocessor count")? as usize;
@@ -128,14 +142,18 @@ impl Gpu {
             .modules
             .iter()
             .find(|m| m.name == name)
-            .ok_or_else(|| Error::Device(format!("PTX module {name} missing from this build")))?;
+            .ok_or_else(|| Error::Device(format!("kernel module {name} missing from this build")))?;
         if let Some(loaded) = m.loaded.get() {
             return Ok(loaded);
         }
+        let image = match m.image {
+            Image::Ptx(ptx) => cudarc::nvrtc::Ptx::from_src(ptx),
+            Image::Fatbin(bytes) => cudarc::nvrtc::Ptx::from_binary(bytes.to_vec()),
+        };
         let loaded = self
             .ctx
-            .load_module(cudarc::nvrtc::Ptx::from_src(m.ptx))
-            .map_err(|e| device_err(&format!("loading PTX module {name} (driver too old for PTX 9.0?)"), e))?;
+            .load_module(image)
+            .map_err(|e| device_err(&format!("loading kernel module {name} (driver older than CUDA 13.0?)"), e))?;
         // Two threads loading at once both succeed; the first one's module is kept.
         Ok(m.loaded.get_or_init(|| loaded))
     }

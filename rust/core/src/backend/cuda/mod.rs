@@ -1,6 +1,7 @@
 //! The CUDA backend (cudarc, dynamically loaded): bf16 weights and activations, kernels from kernels/*.cu
-//! embedded as PTX, cuBLAS for large GEMMs, GPU sampling and decode CUDA graphs. On a machine without a CUDA
-//! driver every entry point returns `Error::Device`; nothing here panics for lack of a GPU.
+//! embedded (PTX, and sm_90 machine code for Hopper), cuBLAS for large GEMMs, GPU sampling and decode CUDA
+//! graphs. On a machine without a CUDA driver every entry point returns `Error::Device`; nothing here panics
+//! for lack of a GPU.
 
 pub mod backend;
 pub mod blas;
@@ -20,7 +21,7 @@ use crate::model::{ModelConfig, ModelRunner};
 
 /// Whether the CUDA backend can run here: kernels were built in and a driver sees at least one GPU.
 pub fn available() -> bool {
-    !device::PTX_MODULES.is_empty() && device::device_count() > 0
+    !device::KERNEL_MODULES.is_empty() && device::device_count() > 0
 }
 
 /// Load a Llama-family model onto `cuda:ordinal`.
