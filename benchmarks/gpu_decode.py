@@ -4,7 +4,9 @@
                                      [--host-ticks] [--mixed]
 
 Prints ms/step at batch 1, output tok/s per batch size (prompt 128, 256 new tokens), cold start (load +
-graph capture) and device memory. Checkpoints are random weights of real shapes (gpu_models.py).
+graph capture) and device memory. Checkpoints are random weights of real shapes (gpu_models.py). The load time
+includes whatever the driver JIT-compiles (nothing on Hopper, whose sm_90 machine code is in the wheel; the PTX of
+other GPUs on a machine's first run): prefix `CUDA_CACHE_PATH=$(mktemp -d)` to time a first run.
 
 --host-ticks  drives decode ticks through the stepped API (RuntimeCoordinator.begin_stepped, admit + prefill
               of B requests with --prompt tokens each, CUDA graphs captured) at --host-batches (1 8 64) and

@@ -1,7 +1,7 @@
 //! Compiles kernels/*.cu and embeds the results, twice: as compute_80 PTX (the driver JITs it for sm_80 and up),
 //! and with programmatic dependent launch (`-DSTEPLLM_PDL`) as a fatbin of sm_90 machine code plus compute_90
 //! PTX, which Hopper and newer load instead. The machine code spares an H100/H200 the JIT of every module on a
-//! machine's first run (20-25 s measured on the H200, benchmarks/RESULTS.md); newer GPUs JIT the compute_90 PTX.
+//! machine's first run (19-25 s measured on the H200, benchmarks/RESULTS.md); newer GPUs JIT the compute_90 PTX.
 //!
 //! nvcc is looked up in $NVCC, then in the PyPI package (`pip install "cuda-toolkit[nvcc,cccl]==13.0.*"`),
 //! then on PATH. Without nvcc the build still succeeds: the CUDA backend then reports, at run time, that
