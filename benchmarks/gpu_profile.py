@@ -198,8 +198,8 @@ def main() -> None:
         what = "PDL on, exposed times: wall time"
     else:
         what = f"PDL {'off' if os.environ.get('STEPLLM_NO_PDL') else 'on (per-kernel times overlap)'}: GPU time"
-    print(f"{args.shape}, batch {args.batch}, context ~{args.context + 8}, kv cache {args.kv_cache_dtype}, {what} per decode "
-          f"tick {total:.1f} us\n")
+    print(f"{args.shape}, batch {args.batch}, context ~{args.context + 8}, kv cache {args.kv_cache_dtype}, "
+          f"{what} per decode tick {total:.1f} us\n")
     print("| kernel | launches per tick | us each | us per tick |")
     print("|---|---|---|---|")
     ranked = sorted(kernels.items(), key=lambda kv: -sum(kv[1]))[: args.top]

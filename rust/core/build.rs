@@ -74,6 +74,9 @@ fn find_nvcc() -> Option<PathBuf> {
 /// The first bytes of a fatbin (0xBA55ED50, little-endian).
 const FATBIN_MAGIC: [u8; 4] = [0x50, 0xED, 0x55, 0xBA];
 
+/// nvcc's target for the Hopper image: sm_90 machine code, and compute_90 PTX for newer GPUs to JIT.
+const SM90_WITH_PTX: &str = "arch=compute_90,code=[sm_90,compute_90]";
+
 /// One module's images: (name, compute_80 PTX, sm_90 + compute_90 fatbin with PDL).
 type Module = (String, PathBuf, PathBuf);
 
@@ -99,7 +102,7 @@ fn compile_all(nvcc: &Path, include: &Path, sources: &[PathBuf], out_dir: &Path)
             let pdl = out_dir.join(format!("{name}.sm90.fatbin"));
             let children = [
                 compile(src, &base, &["--ptx", "-arch=compute_80"]),
-                compile(src, &pdl, &["--fatbin", "-gencode", "arch=compute_90,code=[sm_90,compute_90]", "-DSTEPLLM_PDL"]),
+                compile(src, &pdl, &["--fatbin", "-gencode", SM90_WITH_PTX, "-DSTEPLLM_PDL"]),
             ];
             (name, base, pdl, children)
         })
@@ -121,7 +124,8 @@ fn compile_all(nvcc: &Path, include: &Path, sources: &[PathBuf], out_dir: &Path)
 
 fn write_table(out_dir: &Path, modules: &[Module]) {
     let mut code = String::from(
-        "/// (module name, compute_80 PTX, sm_90 + compute_90 fatbin with PDL) for every kernels/*.cu; empty without nvcc.\n",
+        "/// (module name, compute_80 PTX, sm_90 + compute_90 fatbin with PDL) for every kernels/*.cu;\n\
+         /// empty without nvcc.\n",
     );
     code.push_str("pub const KERNEL_MODULES: &[(&str, &str, &[u8])] = &[\n");
     for (name, base, pdl) in modules {
