@@ -19,9 +19,11 @@ for its predecessor, so per-kernel figures overlap; set STEPLLM_NO_PDL=1 for a b
 
 --exposed keeps PDL on and charges each kernel only the time by which it moved the end of the work on: the time
 from the later of its own start and its predecessor's end to its own end (time with no kernel running, between
-graph replays, is listed as idle). The exposed times and the idle time add up to the wall time of the ticks:
+graph replays, is listed as idle). The exposed times and the idle time add up to the wall time of the ticks
+(with --mixed, of the GPU's timeline from its first kernel to its last):
 
     python3 benchmarks/gpu_profile.py --models /tmp/gm --shape qwen3 --batch 1 --context 128 --exposed
+    python3 benchmarks/gpu_profile.py --models /tmp/gm --shape qwen3 --mixed --kv-cache-dtype fp8 --exposed
 """
 
 from __future__ import annotations
@@ -97,7 +99,7 @@ def profile_ticks(path: Path, batch: int, context: int, ticks: int, graphs: bool
         stepped.abort()
     if exposed:
         kernels, idle = exposed_times(prof)
-        kernels["(idle: no kernel running)"] = [idle / ticks] * ticks  # listed as once per tick
+        kernels[IDLE] = [idle / ticks] * ticks  # listed as once per tick
     else:
         kernels = kernel_times(prof)
     total = sum(sum(v) for v in kernels.values()) / ticks
@@ -120,12 +122,20 @@ FAMILIES = [
 ]
 
 
+# The pseudo-kernel under which --exposed lists the time with no kernel running.
+IDLE = "(idle: no kernel running)"
+
+
 def family(name: str) -> str:
+    if name == IDLE:
+        return "idle (no kernel running)"
     return next((f for f, keys in FAMILIES if any(k in name for k in keys)), "other")
 
 
-def profile_mixed(path: Path, kv_cache_dtype: str, first_token_only: bool) -> tuple[dict[str, list[float]], float, int]:
-    """GPU time per kernel over gpu_decode.py's mixed workload through the engine: (kernels, wall s, tokens)."""
+def profile_mixed(path: Path, kv_cache_dtype: str, first_token_only: bool,
+                  exposed: bool = False) -> tuple[dict[str, list[float]], float, int]:
+    """GPU time per kernel over gpu_decode.py's mixed workload through the engine: (kernels, wall s, tokens); with
+    `exposed`, exposed times (exposed_times) and the time with no kernel running as the kernel IDLE."""
     import json
     import time
 
@@ -147,19 +157,25 @@ def profile_mixed(path: Path, kv_cache_dtype: str, first_token_only: bool) -> tu
             torch.cuda.synchronize()
     finally:
         engine.shutdown()
-    return kernel_times(prof), wall, sum(len(r.output_ids) for r in out)
+    tokens = sum(len(r.output_ids) for r in out)
+    if not exposed:
+        return kernel_times(prof), wall, tokens
+    kernels, idle = exposed_times(prof)
+    kernels[IDLE] = [idle]
+    return kernels, wall, tokens
 
 
-def print_mixed(models: Path, shape: str, kv_cache_dtype: str, top: int) -> None:
+def print_mixed(models: Path, shape: str, kv_cache_dtype: str, top: int, exposed: bool = False) -> None:
     runs = {}
     for label, first_only in (("prefills and first tokens", True), ("whole workload", False)):
-        kernels, wall, tokens = profile_mixed(gpu_models.make(shape, models), kv_cache_dtype, first_only)
+        kernels, wall, tokens = profile_mixed(gpu_models.make(shape, models), kv_cache_dtype, first_only, exposed)
         fams: dict[str, float] = {}
         for name, times in kernels.items():
             fams[family(name)] = fams.get(family(name), 0.0) + sum(times) / 1e6
         runs[label] = (fams, wall, tokens, kernels)
+        what = "GPU timeline (exposed kernel time + idle)" if exposed else "GPU kernel time"
         print(f"{shape}, mixed workload ({label}), kv cache {kv_cache_dtype}: wall {wall:.3f} s, {tokens} tokens, "
-              f"GPU kernel time {sum(fams.values()):.3f} s", flush=True)
+              f"{what} {sum(fams.values()):.3f} s", flush=True)
     first, whole = runs["prefills and first tokens"], runs["whole workload"]
     print("\n| kernel family | prefills + first tokens, s | whole workload, s | decode steps (difference), s |")
     print("|---|---|---|---|")
@@ -167,7 +183,7 @@ def print_mixed(models: Path, shape: str, kv_cache_dtype: str, top: int) -> None
         a, b = first[0].get(fam, 0.0), whole[0][fam]
         print(f"| {fam} | {a:.3f} | {b:.3f} | {b - a:.3f} |")
     a, b = sum(first[0].values()), sum(whole[0].values())
-    print(f"| all kernels | {a:.3f} | {b:.3f} | {b - a:.3f} |")
+    print(f"| {'all, idle included' if exposed else 'all kernels'} | {a:.3f} | {b:.3f} | {b - a:.3f} |")
     print(f"| wall | {first[1]:.3f} | {whole[1]:.3f} | {whole[1] - first[1]:.3f} |")
     print("\nTop kernels of the whole workload:\n\n| kernel | family | launches | us each | s |\n|---|---|---|---|---|")
     for name, times in sorted(whole[3].items(), key=lambda kv: -sum(kv[1]))[:top]:
@@ -189,7 +205,7 @@ def main() -> None:
                     help="charge each kernel only the time it adds past its predecessor's end (PDL stays on)")
     args = ap.parse_args()
     if args.mixed:
-        print_mixed(Path(args.models), args.shape, args.kv_cache_dtype, args.top)
+        print_mixed(Path(args.models), args.shape, args.kv_cache_dtype, args.top, args.exposed)
         return
     path = gpu_models.make(args.shape, Path(args.models))
     kernels, total = profile_ticks(path, args.batch, args.context, args.ticks, not args.no_graphs, args.exposed,

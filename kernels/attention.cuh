@@ -236,15 +236,16 @@ __device__ __forceinline__ void rotate_newest(const bf16* __restrict__ qkv, int 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const bf16* qrow = qkv + (size_t)t * width + (size_t)g * G * D;
     const float pos = (float)(ctx - 1);
+    const auto angle = [&](int i) { return rope_angle(i, pos, rope.theta, D); };
     for (int h = warp; h < G; h += ATTN_WARPS) {
-        rope_head(qrow + h * D, rope.q_norm, rope.eps, pos, rope.theta, D, lane,
+        rope_head(qrow + h * D, rope.q_norm, rope.eps, D, lane, angle,
                   [&](int i, bf16 v) { s_q[h][i] = __bfloat162float(v) * q_factor; });
     }
     if (!holds_newest) return;
     const size_t at = cache_offset(rope.slots[t], g, num_kv_heads, block_size, D);
     const bf16* krow = qkv + (size_t)t * width + (size_t)(num_kv_heads * G + g) * D;
     if (warp == ATTN_WARPS - 1) {
-        rope_head(krow, rope.k_norm, rope.eps, pos, rope.theta, D, lane, [&](int i, bf16 v) {
+        rope_head(krow, rope.k_norm, rope.eps, D, lane, angle, [&](int i, bf16 v) {
             const KV k = kv_from_bf16<KV>(v);
             k_cache[at + i] = k;
             s_new[0][i] = k;

@@ -8,12 +8,22 @@
 // Pairs (i, i + half) per lane: head_dim <= 256.
 #define ROPE_PAIRS 4
 
-// Rotate the head_dim values at `head` (bf16) for position `pos`, normalizing them first when norm_w is set;
-// every lane of the warp calls it, and `emit(i, value)` receives each rotated value once. A lane reads its
-// pairs before it emits them, so `emit` may write back into `head`.
-template <typename Emit>
-__device__ __forceinline__ void rope_head(const bf16* head, const float* __restrict__ norm_w, float eps, float pos,
-                                          float theta, int head_dim, int lane, Emit emit) {
+// The rotation of pair (i, i + head_dim / 2) at position `pos`: (cos, sin), each rounded to bf16.
+__device__ __forceinline__ float2 rope_angle(int i, float pos, float theta, int head_dim) {
+    // inv_freq = 1 / theta^(2i/d) in f32, angle = position * inv_freq in f32, as transformers forms them.
+    const float inv_freq = 1.0f / powf(theta, (float)(2 * i) / (float)head_dim);
+    float s, c;
+    sincosf(pos * inv_freq, &s, &c);
+    return make_float2(bf16r(c), bf16r(s));
+}
+
+// Rotate the head_dim values at `head` (bf16), normalizing them first when norm_w is set; `angle(i)` gives pair
+// i's (cos, sin) (rope_angle at the token's position). Every lane of the warp calls it, and `emit(i, value)`
+// receives each rotated value once. A lane reads its pairs before it emits them, so `emit` may write back into
+// `head`.
+template <typename Angle, typename Emit>
+__device__ __forceinline__ void rope_head(const bf16* head, const float* __restrict__ norm_w, float eps, int head_dim,
+                                          int lane, Angle angle, Emit emit) {
     const int half = head_dim / 2;
     float lo[ROPE_PAIRS], hi[ROPE_PAIRS];
     float ss = 0.0f;
@@ -39,12 +49,8 @@ __device__ __forceinline__ void rope_head(const bf16* head, const float* __restr
     for (int j = 0; j < ROPE_PAIRS; j++) {
         const int i = lane + 32 * j;
         if (i >= half) continue;
-        // inv_freq = 1 / theta^(2i/d) in f32, angle = position * inv_freq in f32, as transformers forms them.
-        const float inv_freq = 1.0f / powf(theta, (float)(2 * i) / (float)head_dim);
-        float s, c;
-        sincosf(pos * inv_freq, &s, &c);
-        c = bf16r(c);
-        s = bf16r(s);
+        const float2 cs = angle(i);
+        const float c = cs.x, s = cs.y;
         emit(i, __float2bfloat16(bf16r(lo[j] * c) + bf16r(-hi[j] * s)));
         emit(i + half, __float2bfloat16(bf16r(hi[j] * c) + bf16r(lo[j] * s)));
     }

@@ -23,8 +23,8 @@ use crate::model::loader::HostTensor;
 
 /// Most blocks one (token, kv head) of attention is split over.
 const MAX_ATTENTION_SPLITS: usize = 16;
-/// Heads (one warp each) per block of the RoPE kernel: ROPE_WARPS in kernels/rope.cu.
-const ROPE_WARPS: usize = 4;
+/// Warps per block (one block per token) of the RoPE kernel: ROPE_WARPS in kernels/rope.cu.
+const ROPE_WARPS: usize = 8;
 /// Query rows per block of the tiled prefill attention (PF_BQ in kernels/prefill_attention.cu) and its threads.
 const PREFILL_QUERY_TILE: usize = 64;
 const PREFILL_THREADS: u32 = 128;
@@ -826,7 +826,6 @@ impl Backend for CudaBackend {
         check_attention(qkv, shape, batch, cache, layer)?;
         check_rope_head_dim(shape)?;
         let (qn, kn) = qk_norm.map_or((0, 0), |(q, k)| (q.buf.ptr(), k.buf.ptr()));
-        let heads = shape.num_heads + 2 * shape.num_kv_heads;
         let args = [
             Arg::Ptr(qkv.ptr()),
             Arg::I32(shape.qkv_width() as i32),
@@ -844,7 +843,7 @@ impl Backend for CudaBackend {
             Arg::F32(shape.rope_theta),
             Arg::I32(cache.shape.block_size as i32),
         ];
-        let grid = (batch.n_tokens as u32, heads.div_ceil(ROPE_WARPS) as u32, 1);
+        let grid = (batch.n_tokens as u32, 1, 1);
         self.inner.gpu.launch(self.cache_kernels(cache.shape.dtype)?.rope, grid, 32 * ROPE_WARPS as u32, &args)
     }
 
