@@ -54,11 +54,17 @@ def kernel_times(prof) -> dict[str, list[float]]:
 
 
 def exposed_times(prof) -> tuple[dict[str, list[float]], float]:
-    """Each kernel launch's exposed time (µs, by kernel name as in kernel_times), and the idle time between
-    kernels: launches are taken in start order, and a launch's exposed time runs from the later of its start and
-    the latest end so far to its own end."""
-    spans = sorted((e.time_range.start, e.time_range.end, e.name[:60]) for e in gpu_events(prof))
+    """exposed_spans of the GPU events a torch.profiler run recorded (names cut to 60 characters, as in
+    kernel_times)."""
+    return exposed_spans([(e.time_range.start, e.time_range.end, e.name[:60]) for e in gpu_events(prof)])
+
+
+def exposed_spans(spans: list[tuple[float, float, str]]) -> tuple[dict[str, list[float]], float]:
+    """Each (start, end, name) span's exposed time (µs, by name), and the idle time between spans: spans are taken
+    in start order, and a span's exposed time runs from the later of its start and the latest end so far to its own
+    end. The exposed times and the idle time add up to the first start to last end."""
     exposed: dict[str, list[float]] = {}
+    spans = sorted(spans)
     idle, last_end = 0.0, spans[0][0] if spans else 0.0
     for start, end, name in spans:
         idle += max(0.0, start - last_end)

@@ -1,5 +1,6 @@
 """The GPU benchmark's bookkeeping, run on the CPU with the tiny fixture: the stepped host-tick loop, the mixed
-workload through both paths, and the K/V-read floor it reports (checked against a direct sum)."""
+workload through both paths, the K/V-read floor it reports (checked against a direct sum), and the profiler's
+exposed-time accounting."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from conftest import model_dir
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import gpu_decode  # noqa: E402
+import gpu_profile  # noqa: E402
 
 
 def test_kv_read_floor_counts_every_context_a_decode_step_reads() -> None:
@@ -43,3 +45,15 @@ def test_mixed_run_generates_every_budgeted_token_on_both_paths() -> None:
         assert kind in gpu_decode.mixed_line("llama", kind, res)
     assert res["kv_read_bytes"] > 0
     assert "output tok/s" in gpu_decode.mixed_floor_line(res)
+
+
+def test_exposed_spans_charge_overlaps_once_and_count_gaps_as_idle() -> None:
+    # b overlaps a's last 2 µs (programmatic dependent launch), c starts 3 µs after b ends, d lies inside c.
+    spans = [(10.0, 15.0, "b"), (0.0, 12.0, "a"), (18.0, 25.0, "c"), (19.0, 21.0, "d")]
+    exposed, idle = gpu_profile.exposed_spans(spans)
+    assert exposed == {"a": [12.0], "b": [3.0], "c": [7.0], "d": [0.0]}
+    assert idle == 3.0
+    assert sum(sum(v) for v in exposed.values()) + idle == 25.0  # first start to last end
+    assert gpu_profile.exposed_spans([]) == ({}, 0.0)
+    assert gpu_profile.family(gpu_profile.IDLE) == "idle (no kernel running)"
+    assert gpu_profile.family("paged_attention_fp8_mma_rope_d128_g2") == "decode attention"
