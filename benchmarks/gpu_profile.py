@@ -53,10 +53,13 @@ def kernel_times(prof) -> dict[str, list[float]]:
     return kernels
 
 
-def exposed_times(prof) -> tuple[dict[str, list[float]], float]:
+def exposed_times(prof, ticks: int = 1) -> dict[str, list[float]]:
     """exposed_spans of the GPU events a torch.profiler run recorded (names cut to 60 characters, as in
-    kernel_times)."""
-    return exposed_spans([(e.time_range.start, e.time_range.end, e.name[:60]) for e in gpu_events(prof)])
+    kernel_times), with the idle time listed as the kernel IDLE, once per tick."""
+    spans = [(e.time_range.start, e.time_range.end, e.name[:60]) for e in gpu_events(prof)]
+    exposed, idle = exposed_spans(spans)
+    exposed[IDLE] = [idle / ticks] * ticks
+    return exposed
 
 
 def exposed_spans(spans: list[tuple[float, float, str]]) -> tuple[dict[str, list[float]], float]:
@@ -76,7 +79,7 @@ def exposed_spans(spans: list[tuple[float, float, str]]) -> tuple[dict[str, list
 def profile_ticks(path: Path, batch: int, context: int, ticks: int, graphs: bool, exposed: bool = False,
                   kv_cache_dtype: str = "auto") -> tuple[dict[str, list[float]], float]:
     """Per-kernel GPU times of `ticks` decode ticks and their total per tick; with `exposed`, exposed times
-    (exposed_times) and the idle time per tick (listed as the kernel "(idle: no kernel running)")."""
+    (exposed_times) and the idle time per tick (listed as the kernel IDLE)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -103,18 +106,18 @@ def profile_ticks(path: Path, batch: int, context: int, ticks: int, graphs: bool
             torch.cuda.synchronize()
     finally:
         stepped.abort()
-    if exposed:
-        kernels, idle = exposed_times(prof)
-        kernels[IDLE] = [idle / ticks] * ticks  # listed as once per tick
-    else:
-        kernels = kernel_times(prof)
+    kernels = exposed_times(prof, ticks) if exposed else kernel_times(prof)
     total = sum(sum(v) for v in kernels.values()) / ticks
     return kernels, total
 
 
+# The pseudo-kernel under which --exposed lists the time with no kernel running.
+IDLE = "(idle: no kernel running)"
+
 # Kernel families by a fragment of the kernel name, first match wins (our kernels' names are in kernels/*.cu;
 # cuBLAS's vary by version, so every other name with "gemm", "nvjet", "xmma" or "cutlass" counts as cuBLAS).
 FAMILIES = [
+    ("idle (no kernel running)", (IDLE,)),
     ("prefill attention", ("prefill_attention",)),
     ("decode attention", ("paged_attention", "attention_")),
     ("GEMV (ours)", ("gemv",)),
@@ -128,13 +131,7 @@ FAMILIES = [
 ]
 
 
-# The pseudo-kernel under which --exposed lists the time with no kernel running.
-IDLE = "(idle: no kernel running)"
-
-
 def family(name: str) -> str:
-    if name == IDLE:
-        return "idle (no kernel running)"
     return next((f for f, keys in FAMILIES if any(k in name for k in keys)), "other")
 
 
@@ -163,12 +160,7 @@ def profile_mixed(path: Path, kv_cache_dtype: str, first_token_only: bool,
             torch.cuda.synchronize()
     finally:
         engine.shutdown()
-    tokens = sum(len(r.output_ids) for r in out)
-    if not exposed:
-        return kernel_times(prof), wall, tokens
-    kernels, idle = exposed_times(prof)
-    kernels[IDLE] = [idle]
-    return kernels, wall, tokens
+    return exposed_times(prof) if exposed else kernel_times(prof), wall, sum(len(r.output_ids) for r in out)
 
 
 def print_mixed(models: Path, shape: str, kv_cache_dtype: str, top: int, exposed: bool = False) -> None:
