@@ -224,40 +224,68 @@ __device__ __forceinline__ void merge_and_store(const float (*s_acc)[G][D], cons
     if (threadIdx.x == 0) counters[t * num_kv_heads + g] = 0;
 }
 
+// What the rotation reads that no kernel writes during a forward: the per-head norm weights and token t's cache
+// slot (batch metadata, common.cuh), into shared memory. Called before the PDL wait, so these round trips
+// overlap the previous kernel instead of following q's; its barrier publishes them.
+template <int D>
+struct RopeConstants {
+    float norm[2][D];  // q's, k's (when the model has them)
+    u32 slot;
+};
+
+template <int D>
+__device__ __forceinline__ void stage_rope_constants(const RopeArgs& rope, int t, RopeConstants<D>& c) {
+    if (rope.q_norm) {
+        for (int i = threadIdx.x; i < 2 * D; i += ATTN_THREADS)
+            c.norm[i / D][i % D] = (i < D ? rope.q_norm : rope.k_norm)[i % D];
+    }
+    if (threadIdx.x == 0) c.slot = rope.slots[t];
+    __syncthreads();
+}
+
 // The decode kernels' share of RoPE: rotate the G query heads of token t (kv head g) into s_q (times
 // q_factor), and when this block's split holds the newest position, rotate its K and write K and V to the
-// cache and to s_new (the main loop reads the newest position from there). Every thread calls it; the caller's
-// barrier publishes s_q and s_new.
-template <int D, int G, typename KV>
+// cache and to s_new (the main loop reads the newest position from there). The norm weights and the cache slot
+// come from `consts` (stage_rope_constants). Every thread calls it; the caller's barrier publishes s_q and s_new.
+template <int D, int G, typename KV, bool V_FIRST>
 __device__ __forceinline__ void rotate_newest(const bf16* __restrict__ qkv, int width, int t, int g, int num_kv_heads,
-                                              int ctx, bool holds_newest, const RopeArgs& rope, KV* k_cache,
-                                              KV* v_cache, int block_size, float q_factor, float (*s_q)[D],
-                                              KV (*s_new)[D]) {
+                                              int ctx, bool holds_newest, const RopeArgs& rope,
+                                              const RopeConstants<D>& consts, KV* k_cache, KV* v_cache, int block_size,
+                                              float q_factor, float (*s_q)[D], KV (*s_new)[D]) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const bf16* qrow = qkv + (size_t)t * width + (size_t)g * G * D;
-    const float pos = (float)(ctx - 1);
-    const auto angle = [&](int i) { return rope_angle(i, pos, rope.theta, D); };
-    for (int h = warp; h < G; h += ATTN_WARPS) {
-        rope_head(qrow + h * D, rope.q_norm, rope.eps, D, lane, angle,
-                  [&](int i, bf16 v) { s_q[h][i] = __bfloat162float(v) * q_factor; });
-    }
-    if (!holds_newest) return;
-    const size_t at = cache_offset(rope.slots[t], g, num_kv_heads, block_size, D);
-    const bf16* krow = qkv + (size_t)t * width + (size_t)(num_kv_heads * G + g) * D;
-    if (warp == ATTN_WARPS - 1) {
-        rope_head(krow, rope.k_norm, rope.eps, D, lane, angle, [&](int i, bf16 v) {
-            const KV k = kv_from_bf16<KV>(v);
-            k_cache[at + i] = k;
-            s_new[0][i] = k;
-        });
-    } else if (warp == 0) {
-        const uint4* vrow = reinterpret_cast<const uint4*>(krow + (size_t)num_kv_heads * D);
+    // The newest V goes to the cache and s_new. With V_FIRST, where a warp has no query head, that warp copies it
+    // first, so its round trip overlaps the heads' rotation; otherwise warp 0 does, after its heads.
+    constexpr int V_WARP = V_FIRST && G <= ATTN_WARPS - 2 ? ATTN_WARPS - 2 : 0;
+    const auto copy_v = [&](const bf16* krow, size_t at) {
         using Vec8 = KvVec8<KV>;
+        const uint4* vrow = reinterpret_cast<const uint4*>(krow + (size_t)num_kv_heads * D);
         for (int i = lane; i < D / 8; i += 32) {
             const Vec8 v = kv_pack8<KV>(__ldcg(vrow + i));
             reinterpret_cast<Vec8*>(v_cache + at)[i] = v;
             reinterpret_cast<Vec8*>(s_new[1])[i] = v;
         }
+    };
+    const auto newest_k = [&] { return qkv + (size_t)t * width + (size_t)(num_kv_heads * G + g) * D; };
+    const auto newest_at = [&] { return cache_offset(consts.slot, g, num_kv_heads, block_size, D); };
+    if (V_WARP >= G && holds_newest && warp == V_WARP) copy_v(newest_k(), newest_at());
+    const float pos = (float)(ctx - 1);
+    const auto angle = [&](int i) { return rope_angle(i, pos, rope.theta, D); };
+    for (int h = warp; h < G; h += ATTN_WARPS) {
+        rope_head(qrow + h * D, rope.q_norm ? consts.norm[0] : nullptr, rope.eps, D, lane, angle,
+                  [&](int i, bf16 v) { s_q[h][i] = __bfloat162float(v) * q_factor; });
+    }
+    if (!holds_newest) return;
+    const size_t at = newest_at();
+    const bf16* krow = newest_k();
+    if (warp == ATTN_WARPS - 1) {
+        rope_head(krow, rope.k_norm ? consts.norm[1] : nullptr, rope.eps, D, lane, angle, [&](int i, bf16 v) {
+            const KV k = kv_from_bf16<KV>(v);
+            k_cache[at + i] = k;
+            s_new[0][i] = k;
+        });
+    } else if (V_WARP < G && warp == V_WARP) {
+        copy_v(krow, at);
     }
 }
 
@@ -335,13 +363,16 @@ __device__ void paged_attention(const bf16* __restrict__ qkv, int width, const u
     // which this block writes below, is taken from shared memory instead.
     Vec kr[U], vr[U];
     if constexpr (ROPE) load_step(begin, ctx - 1, kr, vr);
+    __shared__ RopeConstants<ROPE ? D : 1> s_consts;
+    if constexpr (ROPE) stage_rope_constants<D>(rope, t, s_consts);
     kernel_begin();
 
     const bf16* qrow = qkv + (size_t)t * width + (size_t)g * G * D;
     float q[Q_SHARED ? 1 : G][VALS];
     if constexpr (ROPE) {
-        rotate_newest<D, G, KV>(qkv, width, t, g, num_kv_heads, ctx, end == ctx, rope, k_cache, v_cache, block_size,
-                                qscale, s_q, s_new);
+        // V last: this variant is at its register cap (168 for G <= 2), and copying V first spills there.
+        rotate_newest<D, G, KV, false>(qkv, width, t, g, num_kv_heads, ctx, end == ctx, rope, s_consts, k_cache,
+                                       v_cache, block_size, qscale, s_q, s_new);
         // The barrier before the main loop publishes s_q and the new K/V to the whole block.
     } else if constexpr (Q_SHARED) {
         constexpr int QV = (G * D / 8 + ATTN_THREADS - 1) / ATTN_THREADS;
@@ -533,10 +564,12 @@ __device__ void paged_attention_mma(const bf16* __restrict__ qkv, int width, con
     typename Mma::Regs buf[2];
     mma.load(buf[0], 0, k_cache, v_cache, newest);
     mma.load(buf[1], 1, k_cache, v_cache, newest);
+    __shared__ RopeConstants<D> s_consts;
+    stage_rope_constants<D>(rope, t, s_consts);
     kernel_begin();
 
-    rotate_newest<D, G, KV>(qkv, width, t, g, num_kv_heads, range.ctx, range.end == range.ctx, rope, k_cache, v_cache,
-                            block_size, 1.0f, s_q, s_new);
+    rotate_newest<D, G, KV, true>(qkv, width, t, g, num_kv_heads, range.ctx, range.end == range.ctx, rope, s_consts,
+                                  k_cache, v_cache, block_size, 1.0f, s_q, s_new);
     __syncthreads();
     mma.patch(buf[0], 0, s_new[0], s_new[1], newest);
     mma.patch(buf[1], 1, s_new[0], s_new[1], newest);

@@ -115,7 +115,7 @@ __device__ void gemv(const bf16* __restrict__ x, const float* __restrict__ norm_
                 s[r] = 0.0f;
                 for (int p = 0; p < warps_per_row; p++) s[r] += sums[warp + p][r][m];
             }
-            gemv_store<OUT>(s, bias, y, cols, m, col);
+            gemv_store<OUT>(s, bias, y, cols, m, col, OldFromL2{y, cols});
         }
         __syncthreads();  // sums is reused by the next row group
     }

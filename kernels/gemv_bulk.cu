@@ -17,12 +17,19 @@
 
 // Most ring stages a launch may ask for (the host picks the count from the stage size).
 #define BULK_MAX_STAGES 16
+// Most output columns per block whose old values OUT_ADD stages in shared memory (beyond it they are read in the
+// epilogue). A model's hidden size over the multiprocessor count: 8 for Qwen3-0.6B on an H200.
+#define BULK_OLD_COLS 32
 
 extern __shared__ __align__(16) unsigned char bulk_smem[];
 
 // grid: any (block b owns output columns [b * cols / grid, (b + 1) * cols / grid)); block: BULK_THREADS.
-// Dynamic shared memory: M * K * 2 bytes of input, then `stages` stages of R * stage_rows * K * 2 bytes.
-// K % 8 == 0; 1 <= stages <= BULK_MAX_STAGES; for OUT_SILU, N is the full [gate | up] height.
+// Dynamic shared memory: M * K * 2 bytes of input, for IN_NORM K * 4 bytes of norm weights, then `stages` stages
+// of R * stage_rows * K * 2 bytes. K % 8 == 0, norm_w 16-byte aligned; 1 <= stages <= BULK_MAX_STAGES; for
+// OUT_SILU, N is the full [gate | up] height.
+//
+// After the wait only what a predecessor writes is read: the input rows, and for OUT_ADD the old outputs, both
+// requested at once. The weights and the norm weights (constant) are requested before it.
 template <int M, int IN, int OUT>
 __device__ void gemv_bulk(const bf16* __restrict__ x, const float* __restrict__ norm_w, float eps,
                           const bf16* __restrict__ w, const float* __restrict__ bias, bf16* __restrict__ y, int N,
@@ -31,11 +38,13 @@ __device__ void gemv_bulk(const bf16* __restrict__ x, const float* __restrict__ 
     constexpr int R = OUT == OUT_SILU ? 2 : 1;  // weight rows per output column
     __shared__ float inv[M];
     __shared__ unsigned long long full[BULK_MAX_STAGES];
+    __shared__ bf16 s_old[OUT == OUT_ADD ? M : 1][BULK_OLD_COLS];
     bf16* xs = reinterpret_cast<bf16*>(bulk_smem);
     const int chunks = K / 8;  // 16-byte chunks per weight row
     const size_t row_bytes = (size_t)K * 2;
     const size_t stage_bytes = R * stage_rows * row_bytes;
-    unsigned char* ring = bulk_smem + M * row_bytes;
+    float* norm_s = reinterpret_cast<float*>(bulk_smem + M * row_bytes);
+    unsigned char* ring = bulk_smem + M * row_bytes + (IN == IN_NORM ? (size_t)K * 4 : 0);
 
     const int cols = N / R;
     const int first = (int)((long long)blockIdx.x * cols / gridDim.x);
@@ -52,15 +61,31 @@ __device__ void gemv_bulk(const bf16* __restrict__ x, const float* __restrict__ 
         fence_barrier_init();
         for (int s = 0; s < min(stages, n_stages); s++) issue(s);
     }
+    if (IN == IN_NORM) {
+        for (int i = threadIdx.x; i < K / 4; i += blockDim.x)
+            reinterpret_cast<float4*>(norm_s)[i] = __ldg(reinterpret_cast<const float4*>(norm_w) + i);
+    }
     kernel_begin();
-    stage_input<M, IN>(x, norm_w, eps, K, xs, inv);  // its barriers also publish the initialized stage barriers
+    // OUT_ADD: thread i < M * span fetches old output (i / span, first + i % span) while the input rows load.
+    const int span = last - first;
+    const bool stages_old = OUT == OUT_ADD && span <= BULK_OLD_COLS;
+    const int oi = threadIdx.x;
+    bf16 old_raw;
+    if (stages_old && oi < M * span) old_raw = __ldcg(y + (size_t)(oi / span) * cols + first + oi % span);
+    // Its barriers also publish the initialized stage barriers and the staged norm weights.
+    stage_input<M, IN>(x, IN == IN_NORM ? norm_s : norm_w, eps, K, xs, inv);
+    if (stages_old && oi < M * span) s_old[oi / span][oi % span] = old_raw;
+    if (OUT == OUT_ADD) __syncthreads();
+    const auto old = [&](int m, int col) {
+        return stages_old ? __bfloat162float(s_old[m][col - first]) : OldFromL2{y, cols}(m, col);
+    };
 
     const uint4* xv = reinterpret_cast<const uint4*>(xs);
     for (int s = 0; s < n_stages; s++) {
         const int c0 = first + s * stage_rows, n = min(stage_rows, last - c0);
         const uint4* stage = reinterpret_cast<const uint4*>(ring + (size_t)(s % stages) * stage_bytes);
         mbar_wait(&full[s % stages], (s / stages) & 1);
-        stage_product<M, OUT>(stage, stage_rows, n, xv, chunks, bias, y, cols, c0);
+        stage_product<M, OUT>(stage, stage_rows, n, xv, chunks, bias, y, cols, c0, old);
         __syncthreads();  // every warp is done with this stage
         if (threadIdx.x == 0 && s + stages < n_stages) {
             fence_async_shared();

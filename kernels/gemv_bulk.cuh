@@ -57,10 +57,11 @@ __device__ __forceinline__ void copy_stage_rows(unsigned char* dst, unsigned lon
 
 // The outputs of one ring stage: n output columns starting at c0, whose weight rows sit in `stage` (for OUT_SILU
 // the gate rows, then, stage_rows rows further, the matching up rows), against the M input rows `xv` (chunks
-// 16-byte words each). A warp per column.
-template <int M, int OUT>
+// 16-byte words each). A warp per column. `old` is gemv_store's.
+template <int M, int OUT, typename Old>
 __device__ __forceinline__ void stage_product(const uint4* stage, int stage_rows, int n, const uint4* xv, int chunks,
-                                              const float* __restrict__ bias, bf16* __restrict__ y, int cols, int c0) {
+                                              const float* __restrict__ bias, bf16* __restrict__ y, int cols, int c0,
+                                              const Old& old) {
     constexpr int R = OUT == OUT_SILU ? 2 : 1;  // weight rows per output column
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     // A warp per column: its row (and up row) against every input row.
@@ -91,7 +92,7 @@ __device__ __forceinline__ void stage_product(const uint4* stage, int stage_rows
                 float sums[R];
 #pragma unroll
                 for (int j = 0; j < R; j++) sums[j] = acc[j][m];
-                gemv_store<OUT>(sums, bias, y, cols, m, c0 + r);
+                gemv_store<OUT>(sums, bias, y, cols, m, c0 + r, old);
             }
         }
     }

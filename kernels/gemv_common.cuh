@@ -12,6 +12,7 @@
 
 // x (or its rms_norm) into shared memory as bf16 [M][K]. Every thread of the block takes part; one read of x
 // from L2, and the rows are normalized together (warp m sums row m), so M rows cost no more round trips than one.
+// norm_w may be in global or shared memory (kernels/gemv_bulk.cu stages it before the PDL wait).
 template <int M, int IN>
 __device__ __forceinline__ void stage_input(const bf16* __restrict__ x, const float* __restrict__ norm_w,
                                             float eps, int K, bf16* xs, float* inv) {
@@ -60,21 +61,30 @@ __device__ __forceinline__ float dot8(uint4 w, uint4 x) {
 }
 
 // The epilogue of output column `col` of row m, from the column's f32 sum(s) (two for OUT_SILU: gate, up).
-template <int OUT>
+// OUT_ADD adds to y's value before the launch, which `old(m, col)` gives (OldFromL2, or a staged copy).
+template <int OUT, typename Old>
 __device__ __forceinline__ void gemv_store(const float* s, const float* __restrict__ bias, bf16* __restrict__ y, int cols,
-                                           int m, int col) {
+                                           int m, int col, const Old& old) {
     if (OUT == OUT_SILU) {
         const float g = bf16r(s[0]), u = bf16r(s[1]);
         y[(size_t)m * cols + col] = __float2bfloat16(bf16r(g / (1.0f + __expf(-g))) * u);
     } else {
         float v = s[0];
         if (bias) v += bias[col];
-        bf16* dst = y + (size_t)m * cols + col;
-        // From L2: in benchmarks/kernels/projection_chain.cu an earlier phase of the same kernel wrote it.
-        if (OUT == OUT_ADD) v = __bfloat162float(__ldcg(dst)) + bf16r(v);
-        *dst = __float2bfloat16(v);
+        if (OUT == OUT_ADD) v = old(m, col) + bf16r(v);
+        y[(size_t)m * cols + col] = __float2bfloat16(v);
     }
 }
+
+// y[m, col] read from L2 when the epilogue needs it (in benchmarks/kernels/projection_chain.cu an earlier phase
+// of the same kernel wrote it).
+struct OldFromL2 {
+    const bf16* y;
+    int cols;
+    __device__ __forceinline__ float operator()(int m, int col) const {
+        return __bfloat162float(__ldcg(y + (size_t)m * cols + col));
+    }
+};
 
 // Instantiate VARIANT(M, IN, OUT, NAME) for every (prologue, epilogue) pair the host uses and M = 1..8, named
 // {PREFIX}_{in}_{out}_m{M} (the host picks one per pair and batch size).

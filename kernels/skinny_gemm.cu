@@ -180,10 +180,10 @@ __device__ void skinny_gemm(const bf16* __restrict__ x, const bf16* __restrict__
         const int off = (l >> 2) + (r >= 2 ? 8 : 0);  // row within the A tile
         if (e >= E || m >= M) continue;
         if (OUT == OUT_SILU) {
-            gemv_store<OUT>(sum[q], bias, y, cols, m, c0 + off);
+            gemv_store<OUT>(sum[q], bias, y, cols, m, c0 + off, OldFromL2{y, cols});
         } else {
 #pragma unroll
-            for (int i = 0; i < 2; i++) gemv_store<OUT>(&sum[q][i], bias, y, cols, m, c0 + 16 * i + off);
+            for (int i = 0; i < 2; i++) gemv_store<OUT>(&sum[q][i], bias, y, cols, m, c0 + 16 * i + off, OldFromL2{y, cols});
         }
     }
 }

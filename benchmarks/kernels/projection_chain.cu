@@ -108,10 +108,11 @@ __device__ void stage_phase_input(const ChainPhase& p, float eps, bf16* xs, floa
 template <int M>
 __device__ void phase_stage_product(const ChainPhase& p, const uint4* stage, int n, const uint4* xv, int c0) {
     const int chunks = p.k / 8;
+    const OldFromL2 old{p.y, p.n};
     switch (p.out) {
-        case OUT_SILU: stage_product<M, OUT_SILU>(stage, p.stage_cols, n, xv, chunks, p.bias, p.y, p.n / 2, c0); break;
-        case OUT_ADD: stage_product<M, OUT_ADD>(stage, p.stage_cols, n, xv, chunks, p.bias, p.y, p.n, c0); break;
-        default: stage_product<M, OUT_STORE>(stage, p.stage_cols, n, xv, chunks, p.bias, p.y, p.n, c0); break;
+        case OUT_SILU: stage_product<M, OUT_SILU>(stage, p.stage_cols, n, xv, chunks, p.bias, p.y, p.n / 2, c0, old); break;
+        case OUT_ADD: stage_product<M, OUT_ADD>(stage, p.stage_cols, n, xv, chunks, p.bias, p.y, p.n, c0, old); break;
+        default: stage_product<M, OUT_STORE>(stage, p.stage_cols, n, xv, chunks, p.bias, p.y, p.n, c0, old); break;
     }
 }
 #endif

@@ -139,15 +139,16 @@ impl Gemv {
     }
 
     /// The bulk family's ring for this launch: (rows per stage, stages, dynamic shared memory), or None when
-    /// even a ring of two one-row stages beside the input rows would not fit. A stage holds whole rows, a
-    /// multiple of the block's 8 warps when that many fit (a warp takes a row at a time).
+    /// even a ring of two one-row stages beside the input rows (and the norm weights) would not fit. A stage
+    /// holds whole rows, a multiple of the block's 8 warps when that many fit (a warp takes a row at a time).
     fn bulk_stages(&self, p: &GemvLaunch) -> Option<(usize, usize, usize)> {
         let row_bytes = if p.kind == GemvKind::NormSilu { 2 } else { 1 } * p.op.k * 2;
         let fit = BULK_STAGE_BYTES / row_bytes;
         let stage_rows = if fit >= GEMV_WARPS { fit - fit % GEMV_WARPS } else { fit.max(1) };
         let stage = stage_rows * row_bytes;
         let stages = (BULK_RING_BYTES / stage).clamp(2, BULK_MAX_STAGES);
-        let smem = p.op.rows * p.op.k * 2 + stages * stage;
+        let norm_weights = if p.norm.is_some() { p.op.k * 4 } else { 0 };
+        let smem = p.op.rows * p.op.k * 2 + norm_weights + stages * stage;
         (smem <= self.bulk_smem).then_some((stage_rows, stages, smem))
     }
 
