@@ -917,7 +917,7 @@ impl Backend for CudaBackend {
                     return Err(Error::Device(format!("the CUDA argmax needs a vocabulary that is a multiple of 8, not {}", x.cols)));
                 }
                 self.inner.gpu.zero_async(keys, x.rows * 8)?;
-                let per_row = (x.cols / 8).div_ceil(256 * 8).clamp(1, 64) as u32;
+                let per_row = argmax_blocks_per_row(x.rows, x.cols, self.inner.gpu.sm_count) as u32;
                 let args = [Arg::Ptr(x.ptr()), Arg::I32(x.cols as i32), Arg::Ptr(keys)];
                 self.inner.gpu.launch(self.inner.kernels.argmax, (x.rows as u32, per_row, 1), 256, &args)?;
             }
@@ -953,4 +953,32 @@ fn check_attention(qkv: &CudaTensor, shape: &AttentionShape, batch: &CudaBatch, 
         return internal(format!("qkv is [{}, {}] for {} tokens of width {}", qkv.rows, qkv.cols, batch.n_tokens, shape.qkv_width()));
     }
     Ok(())
+}
+
+/// Blocks per row of the argmax kernel over `rows` rows of `vocab` logits: 8 loads of 16 bytes per thread (256
+/// threads a block), or, while the grid stays under four blocks per multiprocessor, one load per thread. With a
+/// few rows the pass is one round trip instead of eight (Qwen3's 151,936 logits at batch 1: 75 blocks, not 10).
+fn argmax_blocks_per_row(rows: usize, vocab: usize, sm_count: usize) -> usize {
+    let loads = vocab / 8;
+    let eight_per_thread = loads.div_ceil(256 * 8).clamp(1, 64);
+    let one_per_thread = loads.div_ceil(256);
+    one_per_thread.min((4 * sm_count).div_ceil(rows.max(1))).max(eight_per_thread)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::argmax_blocks_per_row;
+
+    #[test]
+    fn argmax_takes_one_load_per_thread_for_few_rows_and_eight_for_many() {
+        // Qwen3's vocabulary on an H200 (132 multiprocessors): 18,992 loads of 16 bytes a row.
+        assert_eq!(argmax_blocks_per_row(1, 151_936, 132), 75);
+        assert_eq!(argmax_blocks_per_row(8, 151_936, 132), 66);
+        // Many rows fill the GPU anyway: eight loads per thread, as before.
+        assert_eq!(argmax_blocks_per_row(64, 151_936, 132), 10);
+        assert_eq!(argmax_blocks_per_row(256, 151_936, 132), 10);
+        // A small vocabulary never gets fewer blocks than it has 2,048-load chunks, nor zero.
+        assert_eq!(argmax_blocks_per_row(1, 49_152, 132), 24);
+        assert_eq!(argmax_blocks_per_row(1, 8, 132), 1);
+    }
 }
