@@ -224,6 +224,16 @@ def test_gemv_batches_match_cublas(rows: int, models_dir: Path, monkeypatch: pyt
     assert_matches_cublas(gpu_models.make("qwen3", models_dir), prompts, monkeypatch, rows)
 
 
+@pytest.mark.parametrize("rows", [3, 4])
+def test_bulk_gemv_of_several_rows_matches_cublas(rows: int, models_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With STEPLLM_GEMV_MAX_ROWS=4, batches of 3 and 4 rows go to the GEMV kernels too (on Hopper the bulk-copy
+    family, whose prologue stages every row's input and RMSNorm weights and whose residual-add epilogue stages each
+    row's old outputs); every projection on cuBLAS is the reference."""
+    prompts = [PROMPT[: 8 + 5 * i] for i in range(rows)]
+    monkeypatch.setenv("STEPLLM_GEMV_MAX_ROWS", "4")
+    assert_matches_cublas(gpu_models.make("qwen3", models_dir), prompts, monkeypatch, ("bulk", rows))
+
+
 @pytest.mark.parametrize("name,rows", [("qwen3", 5), ("qwen3", 32), ("qwen3", 100), ("smollm2", 24), ("smollm2", 100)])
 def test_skinny_gemm_batches_match_cublas(name: str, rows: int, models_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Decode batches of 3 to 16 rows go to the tensor-core skinny GEMM (kernels/skinny_gemm.cu) with the SiLU
