@@ -20,6 +20,7 @@
 // Most output columns per block whose old values OUT_ADD stages in shared memory (beyond it they are read in the
 // epilogue). A model's hidden size over the multiprocessor count: 8 for Qwen3-0.6B on an H200.
 #define BULK_OLD_COLS 32
+static_assert(8 * BULK_OLD_COLS <= BULK_THREADS, "one thread per staged old output at the most rows (8)");
 
 extern __shared__ __align__(16) unsigned char bulk_smem[];
 
