@@ -147,7 +147,8 @@ impl Gemv {
         let stage_rows = if fit >= GEMV_WARPS { fit - fit % GEMV_WARPS } else { fit.max(1) };
         let stage = stage_rows * row_bytes;
         let stages = (BULK_RING_BYTES / stage).clamp(2, BULK_MAX_STAGES);
-        let norm_weights = if p.norm.is_some() { p.op.k * 4 } else { 0 };
+        // The kernel's IN_NORM variants (the Norm kinds) stage the RMSNorm weights beside the input rows.
+        let norm_weights = if matches!(p.kind, GemvKind::Norm | GemvKind::NormSilu) { p.op.k * 4 } else { 0 };
         let smem = p.op.rows * p.op.k * 2 + norm_weights + stages * stage;
         (smem <= self.bulk_smem).then_some((stage_rows, stages, smem))
     }
