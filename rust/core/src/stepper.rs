@@ -47,6 +47,8 @@ pub struct RuntimeStepper {
     /// The last step's ForwardBatch, refilled by the next one so that a steady decode tick allocates no batch
     /// (each sequence's block-table Vec keeps its capacity).
     batch_scratch: ForwardBatch,
+    /// The last step's forward order (`forward_order`), refilled by the next one.
+    order_scratch: Vec<ResidentRef>,
 }
 
 impl RuntimeStepper {
@@ -63,6 +65,7 @@ impl RuntimeStepper {
             next_step_id: 1,
             unseeded_draws: 0,
             batch_scratch: ForwardBatch::default(),
+            order_scratch: Vec::new(),
             config,
         })
     }
@@ -404,29 +407,44 @@ impl RuntimeStepper {
         if refs.is_empty() {
             return Ok((true, StepTiming::default()));
         }
-        let batch = self.plan_forward(refs, work);
-        let outcome = self.run_and_sample(&batch, refs);
+        let order = self.forward_order(refs, work);
+        let batch = self.plan_forward(&order, work);
+        let outcome = self.run_and_sample(&batch, &order);
         self.batch_scratch = batch;
         let timing = self.runner.last_step_timing();
-        match outcome {
-            Ok(sampled) => {
-                for (r, s) in refs.iter().zip(sampled) {
+        let result = match outcome {
+            Ok(sampled) => order
+                .iter()
+                .zip(sampled)
+                .try_for_each(|(r, s)| {
                     let row = self.row_mut(*r)?;
                     row.computed = match work {
                         SequenceWork::Context => row.prompt_ids.len(),
                         SequenceWork::Decode => row.computed + 1,
                     };
-                    self.accept_token(*r, s)?;
-                }
-                Ok((true, timing))
-            }
-            Err(ending) => {
-                for r in refs {
-                    self.row_mut(*r)?.ending = Some(ending.clone());
-                }
-                Ok((false, timing))
-            }
+                    self.accept_token(*r, s)
+                })
+                .map(|()| true),
+            Err(ending) => refs.iter().try_for_each(|r| self.row_mut(*r).map(|row| row.ending = Some(ending.clone()))).map(|()| false),
+        };
+        self.order_scratch = order;
+        result.map(|ok| (ok, timing))
+    }
+
+    /// The order the forward takes `refs` in: for decode, the longest context first (ties by slot). A row's
+    /// attention costs in proportion to its context, and a GPU starts a launch's blocks in row order, so a long
+    /// row placed last would run on alone after the others are done; longest-first keeps the tail short (the
+    /// mixed workload of benchmarks/gpu_decode.py, benchmarks/RESULTS.md). Rows are independent in the forward,
+    /// so the order changes no result. Prefill keeps the admission order.
+    fn forward_order(&mut self, refs: &[ResidentRef], work: SequenceWork) -> Vec<ResidentRef> {
+        let mut order = std::mem::take(&mut self.order_scratch);
+        order.clear();
+        order.extend_from_slice(refs);
+        if work == SequenceWork::Decode {
+            let session = &self.session;
+            order.sort_unstable_by_key(|r| (std::cmp::Reverse(session.get(*r).map_or(0, |row| row.computed)), r.slot));
         }
+        order
     }
 
     /// Forward then sample every row; an Err carries the ending that every participant latches.

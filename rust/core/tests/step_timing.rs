@@ -9,7 +9,7 @@ use std::time::Duration;
 use common::*;
 use stepllm_core::backend::KvCacheDtype;
 use stepllm_core::coordinator::RuntimeCoordinator;
-use stepllm_core::model::{load_model, Device, ForwardBatch, LoadedModel, ModelConfig, ModelRunner, StepTiming};
+use stepllm_core::model::{ForwardBatch, ModelConfig, ModelRunner, StepTiming};
 use stepllm_core::sampling::{RowContext, Sampled};
 use stepllm_core::step::{AdmissionStatus, ImmutableDecodeBatch, ImmutablePrefillBatch, StepExecution, StepResult};
 use stepllm_core::stepped::SteppedExecution;
@@ -76,14 +76,6 @@ impl ModelRunner for PretendDevice {
     fn last_step_timing(&self) -> StepTiming {
         self.last
     }
-}
-
-/// The llama fixture on the CPU with its runner wrapped by `wrap`.
-fn wrapped_coordinator(wrap: impl FnOnce(Box<dyn ModelRunner>) -> Box<dyn ModelRunner>) -> RuntimeCoordinator {
-    let LoadedModel { config, runner, tokenizer, chat_template, source } =
-        load_model(&fixture_dir("llama"), Device::Cpu, None, None).unwrap();
-    let loaded = LoadedModel { config, runner: wrap(runner), tokenizer, chat_template, source };
-    RuntimeCoordinator::from_loaded(loaded, &small_config("llama", 4, 1024, 4)).unwrap()
 }
 
 fn pretend_coordinator(wait_us: u64) -> RuntimeCoordinator {

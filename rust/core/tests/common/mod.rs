@@ -4,6 +4,7 @@
 use std::path::PathBuf;
 
 use stepllm_core::coordinator::{Config, RuntimeCoordinator};
+use stepllm_core::model::{load_model, Device, LoadedModel, ModelRunner};
 use stepllm_core::request::{GenerationRequest, Prompt, SamplingParams};
 
 pub fn fixture_dir(name: &str) -> PathBuf {
@@ -21,6 +22,14 @@ pub fn small_config(name: &str, slots: usize, kv_tokens: usize, block_size: usiz
 
 pub fn coordinator(name: &str) -> RuntimeCoordinator {
     RuntimeCoordinator::new(small_config(name, 4, 1024, 4)).expect("fixture model loads")
+}
+
+/// The llama fixture on the CPU with its runner wrapped by `wrap`.
+pub fn wrapped_coordinator(wrap: impl FnOnce(Box<dyn ModelRunner>) -> Box<dyn ModelRunner>) -> RuntimeCoordinator {
+    let LoadedModel { config, runner, tokenizer, chat_template, source } =
+        load_model(&fixture_dir("llama"), Device::Cpu, None, None).unwrap();
+    let loaded = LoadedModel { config, runner: wrap(runner), tokenizer, chat_template, source };
+    RuntimeCoordinator::from_loaded(loaded, &small_config("llama", 4, 1024, 4)).unwrap()
 }
 
 pub fn greedy_ids(prompt: &[u32], max_tokens: usize) -> GenerationRequest {
