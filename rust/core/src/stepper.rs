@@ -47,8 +47,9 @@ pub struct RuntimeStepper {
     /// The last step's ForwardBatch, refilled by the next one so that a steady decode tick allocates no batch
     /// (each sequence's block-table Vec keeps its capacity).
     batch_scratch: ForwardBatch,
-    /// The last step's forward order (`forward_order`), refilled by the next one.
+    /// The last step's forward order (`forward_order`) and its sort keys, refilled by the next one.
     order_scratch: Vec<ResidentRef>,
+    order_keys: Vec<(u64, ResidentRef)>,
 }
 
 impl RuntimeStepper {
@@ -66,6 +67,7 @@ impl RuntimeStepper {
             unseeded_draws: 0,
             batch_scratch: ForwardBatch::default(),
             order_scratch: Vec::new(),
+            order_keys: Vec::new(),
             config,
         })
     }
@@ -439,11 +441,19 @@ impl RuntimeStepper {
     fn forward_order(&mut self, refs: &[ResidentRef], work: SequenceWork) -> Vec<ResidentRef> {
         let mut order = std::mem::take(&mut self.order_scratch);
         order.clear();
-        order.extend_from_slice(refs);
-        if work == SequenceWork::Decode {
-            let session = &self.session;
-            order.sort_unstable_by_key(|r| (std::cmp::Reverse(session.get(*r).map_or(0, |row| row.computed)), r.slot));
+        if work != SequenceWork::Decode {
+            order.extend_from_slice(refs);
+            return order;
         }
+        // Each row's key is looked up once: (longest first, then slot), packed so the sort compares integers.
+        let keys = &mut self.order_keys;
+        keys.clear();
+        keys.extend(refs.iter().map(|r| {
+            let context = self.session.get(*r).map_or(0, |row| row.computed).min(u32::MAX as usize) as u64;
+            (((u32::MAX as u64 - context) << 32) | r.slot as u64, *r)
+        }));
+        keys.sort_unstable_by_key(|&(key, _)| key);
+        order.extend(keys.iter().map(|&(_, r)| r));
         order
     }
 
