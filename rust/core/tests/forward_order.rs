@@ -6,47 +6,12 @@ mod common;
 use std::sync::{Arc, Mutex};
 
 use common::*;
-use stepllm_core::backend::KvCacheDtype;
-use stepllm_core::model::{ForwardBatch, ModelConfig, ModelRunner, StepTiming};
-use stepllm_core::sampling::{RowContext, Sampled};
+use stepllm_core::model::ForwardBatch;
 use stepllm_core::step::{AdmissionStatus, ImmutableDecodeBatch, ImmutablePrefillBatch};
 use stepllm_core::stepped::{SteppedExecution, SteppedRequest};
 
 /// Every decode forward's past lengths, in the order the runner got its rows.
 type Seen = Arc<Mutex<Vec<Vec<usize>>>>;
-
-/// A CPU runner that records the row order of each decode forward.
-struct Recorder {
-    inner: Box<dyn ModelRunner>,
-    seen: Seen,
-}
-
-impl ModelRunner for Recorder {
-    fn config(&self) -> &ModelConfig {
-        self.inner.config()
-    }
-    fn allocate_kv_cache(&mut self, num_blocks: usize, block_size: usize, dtype: KvCacheDtype) -> stepllm_core::error::Result<()> {
-        self.inner.allocate_kv_cache(num_blocks, block_size, dtype)
-    }
-    fn forward(&mut self, batch: &ForwardBatch) -> stepllm_core::error::Result<Vec<f32>> {
-        self.inner.forward(batch)
-    }
-    fn forward_and_sample(&mut self, batch: &ForwardBatch, rows: &[RowContext]) -> stepllm_core::error::Result<Vec<Sampled>> {
-        if batch.seqs.iter().all(|s| s.len == 1) {
-            self.seen.lock().unwrap().push(batch.seqs.iter().map(|s| s.past_len).collect());
-        }
-        self.inner.forward_and_sample(batch, rows)
-    }
-    fn device_description(&self) -> String {
-        "recorder".into()
-    }
-    fn parameter_count(&self) -> usize {
-        self.inner.parameter_count()
-    }
-    fn last_step_timing(&self) -> StepTiming {
-        self.inner.last_step_timing()
-    }
-}
 
 fn prompt(len: usize, salt: usize) -> Vec<u32> {
     (0..len).map(|i| ((i * 7 + salt * 13 + 3) % 250) as u32 + 5).collect()
@@ -63,7 +28,13 @@ fn seat(stepped: &mut SteppedRequest, prompt: &[u32], new: usize, index: usize) 
 /// Greedy ids of each prompt decoded together, each step listing the residents in slot order (here the
 /// admission order, whose contexts are not sorted).
 fn decode_together(prompts: &[Vec<u32>], new: usize, seen: &Seen) -> Vec<Vec<u32>> {
-    let coord = wrapped_coordinator(|inner| Box::new(Recorder { inner, seen: seen.clone() }));
+    let seen = seen.clone();
+    let coord = watched_coordinator(Box::new(move |batch: &ForwardBatch| {
+        if batch.seqs.iter().all(|s| s.len == 1) {
+            seen.lock().unwrap().push(batch.seqs.iter().map(|s| s.past_len).collect());
+        }
+        None
+    }));
     let mut stepped = coord.begin_stepped(greedy_ids(&prompts[0], new), 1, 0).unwrap();
     stepped.prefill(&ImmutablePrefillBatch { target: stepped.founder() }).unwrap();
     for (i, p) in prompts.iter().enumerate().skip(1) {

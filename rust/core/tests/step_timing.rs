@@ -7,10 +7,8 @@ mod common;
 use std::time::Duration;
 
 use common::*;
-use stepllm_core::backend::KvCacheDtype;
 use stepllm_core::coordinator::RuntimeCoordinator;
-use stepllm_core::model::{ForwardBatch, ModelConfig, ModelRunner, StepTiming};
-use stepllm_core::sampling::{RowContext, Sampled};
+use stepllm_core::model::{ForwardBatch, StepTiming};
 use stepllm_core::step::{AdmissionStatus, ImmutableDecodeBatch, ImmutablePrefillBatch, StepExecution, StepResult};
 use stepllm_core::stepped::SteppedExecution;
 
@@ -37,49 +35,13 @@ fn cpu_steps_report_no_device_wait() {
     stepped.finish().unwrap();
 }
 
-/// A CPU runner that pretends to wait on a device: each forward sleeps `wait` and reports it, as replayed from
-/// a graph when every sequence decodes one token (as the CUDA runner does for decode).
-struct PretendDevice {
-    inner: Box<dyn ModelRunner>,
-    wait_us: u64,
-    last: StepTiming,
-}
-
-impl PretendDevice {
-    fn time(&mut self, batch: &ForwardBatch) {
-        std::thread::sleep(Duration::from_micros(self.wait_us));
-        self.last = StepTiming { device_wait_us: self.wait_us, cuda_graph: batch.seqs.iter().all(|s| s.len == 1) };
-    }
-}
-
-impl ModelRunner for PretendDevice {
-    fn config(&self) -> &ModelConfig {
-        self.inner.config()
-    }
-    fn allocate_kv_cache(&mut self, num_blocks: usize, block_size: usize, dtype: KvCacheDtype) -> stepllm_core::error::Result<()> {
-        self.inner.allocate_kv_cache(num_blocks, block_size, dtype)
-    }
-    fn forward(&mut self, batch: &ForwardBatch) -> stepllm_core::error::Result<Vec<f32>> {
-        self.time(batch);
-        self.inner.forward(batch)
-    }
-    fn forward_and_sample(&mut self, batch: &ForwardBatch, rows: &[RowContext]) -> stepllm_core::error::Result<Vec<Sampled>> {
-        self.time(batch);
-        self.inner.forward_and_sample(batch, rows)
-    }
-    fn device_description(&self) -> String {
-        "pretend device".into()
-    }
-    fn parameter_count(&self) -> usize {
-        self.inner.parameter_count()
-    }
-    fn last_step_timing(&self) -> StepTiming {
-        self.last
-    }
-}
-
+/// A CPU runner that pretends to wait on a device: each forward sleeps `wait_us` and reports it, as replayed
+/// from a graph when every sequence decodes one token (as the CUDA runner does for decode).
 fn pretend_coordinator(wait_us: u64) -> RuntimeCoordinator {
-    wrapped_coordinator(|inner| Box::new(PretendDevice { inner, wait_us, last: StepTiming::default() }))
+    watched_coordinator(Box::new(move |batch: &ForwardBatch| {
+        std::thread::sleep(Duration::from_micros(wait_us));
+        Some(StepTiming { device_wait_us: wait_us, cuda_graph: batch.seqs.iter().all(|s| s.len == 1) })
+    }))
 }
 
 fn host_us(e: &StepExecution) -> u64 {
@@ -120,37 +82,11 @@ fn steps_carry_the_runners_device_wait_and_graph_flag() {
 fn device_wait_is_capped_at_the_steps_elapsed_time() {
     // A runner whose clock claims more wait than the step lasted (here: absurdly more) must not make the
     // host time (elapsed - device_wait) underflow.
-    let coord = wrapped_coordinator(|inner| Box::new(Overclaims(PretendDevice { inner, wait_us: 0, last: StepTiming::default() })));
+    let coord = watched_coordinator(Box::new(|_: &ForwardBatch| Some(StepTiming { device_wait_us: u64::MAX / 2, cuda_graph: false })));
     let mut stepped = coord.begin_stepped(greedy_ids(&[1, 2, 3, 4, 5], 2), 1, 0).unwrap();
     let founder = stepped.founder();
     let first = stepped.prefill(&ImmutablePrefillBatch { target: founder }).unwrap();
     assert_eq!(first.execution.device_wait_us, first.execution.elapsed_us);
     assert_eq!(host_us(&first.execution), 0);
     stepped.abort().unwrap();
-}
-
-struct Overclaims(PretendDevice);
-
-impl ModelRunner for Overclaims {
-    fn config(&self) -> &ModelConfig {
-        self.0.config()
-    }
-    fn allocate_kv_cache(&mut self, num_blocks: usize, block_size: usize, dtype: KvCacheDtype) -> stepllm_core::error::Result<()> {
-        self.0.allocate_kv_cache(num_blocks, block_size, dtype)
-    }
-    fn forward(&mut self, batch: &ForwardBatch) -> stepllm_core::error::Result<Vec<f32>> {
-        self.0.forward(batch)
-    }
-    fn forward_and_sample(&mut self, batch: &ForwardBatch, rows: &[RowContext]) -> stepllm_core::error::Result<Vec<Sampled>> {
-        self.0.forward_and_sample(batch, rows)
-    }
-    fn device_description(&self) -> String {
-        self.0.device_description()
-    }
-    fn parameter_count(&self) -> usize {
-        self.0.parameter_count()
-    }
-    fn last_step_timing(&self) -> StepTiming {
-        StepTiming { device_wait_us: u64::MAX / 2, cuda_graph: false }
-    }
 }

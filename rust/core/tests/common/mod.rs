@@ -4,7 +4,9 @@
 use std::path::PathBuf;
 
 use stepllm_core::coordinator::{Config, RuntimeCoordinator};
-use stepllm_core::model::{load_model, Device, LoadedModel, ModelRunner};
+use stepllm_core::backend::KvCacheDtype;
+use stepllm_core::model::{load_model, Device, ForwardBatch, LoadedModel, ModelConfig, ModelRunner, StepTiming};
+use stepllm_core::sampling::{RowContext, Sampled};
 use stepllm_core::request::{GenerationRequest, Prompt, SamplingParams};
 
 pub fn fixture_dir(name: &str) -> PathBuf {
@@ -30,6 +32,48 @@ pub fn wrapped_coordinator(wrap: impl FnOnce(Box<dyn ModelRunner>) -> Box<dyn Mo
         load_model(&fixture_dir("llama"), Device::Cpu, None, None).unwrap();
     let loaded = LoadedModel { config, runner: wrap(runner), tokenizer, chat_template, source };
     RuntimeCoordinator::from_loaded(loaded, &small_config("llama", 4, 1024, 4)).unwrap()
+}
+
+/// What a [`Watched`] runner does before each forward: sees the batch, and may claim a device timing for it
+/// (None: the wrapped runner's own).
+pub type ForwardHook = Box<dyn FnMut(&ForwardBatch) -> Option<StepTiming> + Send>;
+
+/// A runner that calls `hook` before each forward of `inner` and otherwise is `inner`.
+pub struct Watched {
+    inner: Box<dyn ModelRunner>,
+    hook: ForwardHook,
+    claimed: Option<StepTiming>,
+}
+
+/// The llama fixture on the CPU, its runner watched by `hook`.
+pub fn watched_coordinator(hook: ForwardHook) -> RuntimeCoordinator {
+    wrapped_coordinator(|inner| Box::new(Watched { inner, hook, claimed: None }))
+}
+
+impl ModelRunner for Watched {
+    fn config(&self) -> &ModelConfig {
+        self.inner.config()
+    }
+    fn allocate_kv_cache(&mut self, num_blocks: usize, block_size: usize, dtype: KvCacheDtype) -> stepllm_core::error::Result<()> {
+        self.inner.allocate_kv_cache(num_blocks, block_size, dtype)
+    }
+    fn forward(&mut self, batch: &ForwardBatch) -> stepllm_core::error::Result<Vec<f32>> {
+        self.claimed = (self.hook)(batch);
+        self.inner.forward(batch)
+    }
+    fn forward_and_sample(&mut self, batch: &ForwardBatch, rows: &[RowContext]) -> stepllm_core::error::Result<Vec<Sampled>> {
+        self.claimed = (self.hook)(batch);
+        self.inner.forward_and_sample(batch, rows)
+    }
+    fn device_description(&self) -> String {
+        self.inner.device_description()
+    }
+    fn parameter_count(&self) -> usize {
+        self.inner.parameter_count()
+    }
+    fn last_step_timing(&self) -> StepTiming {
+        self.claimed.unwrap_or_else(|| self.inner.last_step_timing())
+    }
 }
 
 pub fn greedy_ids(prompt: &[u32], max_tokens: usize) -> GenerationRequest {
