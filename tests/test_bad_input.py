@@ -42,8 +42,15 @@ BAD_SAMPLING: list[dict[str, Any]] = [
 
 @pytest.mark.parametrize("kw", BAD_SAMPLING, ids=lambda kw: ",".join(f"{k}={v!r}" for k, v in kw.items()))
 def test_out_of_range_sampling_values_raise_invalid_request(kw: dict[str, Any]) -> None:
-    with pytest.raises(stepllm.InvalidRequestError):
+    (field,) = kw
+    with pytest.raises(stepllm.InvalidRequestError, match=field):
         stepllm.SamplingParams(**kw)
+
+
+def test_a_negative_temperature_is_refused_with_the_allowed_range_in_words() -> None:
+    with pytest.raises(stepllm.InvalidRequestError) as e:
+        stepllm.SamplingParams(temperature=-0.5)
+    assert str(e.value).endswith("temperature must be a finite number >= 0 (0 means greedy), got -0.5")
 
 
 def test_invalid_request_error_is_a_value_error() -> None:

@@ -161,3 +161,18 @@ def test_no_command_prints_usage_and_fails() -> None:
     out = stepllm_cli()
     assert out.returncode == 2
     assert "usage" in out.stderr.lower()
+
+
+def test_version_prints_the_package_version() -> None:
+    out = stepllm_cli("--version")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == f"stepllm {stepllm.__version__}\n"
+
+
+@pytest.mark.parametrize("command", [["generate", "hi"], ["chat"]])
+def test_bad_sampling_values_fail_before_the_model_loads(command: list[str]) -> None:
+    out = stepllm_cli(*command, "--model", model_dir("qwen3"), "--device", "cpu", "--temperature", "-1", stdin="hi\n")
+    assert out.returncode == 1
+    assert "temperature must be a finite number >= 0" in out.stderr
+    assert "loading" not in out.stderr and "loaded" not in out.stderr
+    assert out.stdout == ""

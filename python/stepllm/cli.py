@@ -38,6 +38,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="stepllm", description="Stepped LLM inference: generate, chat, serve, benchmark.")
+    p.add_argument("--version", action="version", version=f"stepllm {_core.__version__}")
     sub = p.add_subparsers(metavar="COMMAND")
 
     g = sub.add_parser("generate", help="generate a continuation of PROMPT; only the text goes to stdout")
@@ -180,15 +181,17 @@ def print_stats(response: _core.GenerationResponse, ttft: float, total: float) -
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    sampling = sampling_from(args)  # bad values fail before the model loads
     with open_engine(args, max_batch_size=1) as engine:
         prompt: Any = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
-        response, ttft, total = stream_to_stdout(engine, _core.GenerationRequest(prompt=prompt, sampling=sampling_from(args)))
+        response, ttft, total = stream_to_stdout(engine, _core.GenerationRequest(prompt=prompt, sampling=sampling))
         sys.stdout.write("\n")
         print_stats(response, ttft, total)
         return EXIT_FAILURE if response.error else 0
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
+    sampling = sampling_from(args)  # bad values fail before the model loads
     with open_engine(args, max_batch_size=1) as engine:
         history = fresh_history(args.system)
         print("chat: type a message; /reset clears the conversation; Ctrl-D quits", file=sys.stderr)
@@ -205,7 +208,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
                 print("(conversation cleared)", file=sys.stderr)
                 continue
             history.append({"role": "user", "content": line})
-            request = _core.GenerationRequest(prompt=list(history), sampling=sampling_from(args))
+            request = _core.GenerationRequest(prompt=list(history), sampling=sampling)
             response, ttft, total = stream_to_stdout(engine, request)
             sys.stdout.write("\n")
             print_stats(response, ttft, total)

@@ -79,7 +79,9 @@ impl SamplingParams {
         if self.max_tokens == 0 {
             return invalid("max_tokens must be at least 1");
         }
-        check_finite_range("temperature", self.temperature, 0.0, f32::MAX)?;
+        if !(self.temperature.is_finite() && self.temperature >= 0.0) {
+            return invalid(format!("temperature must be a finite number >= 0 (0 means greedy), got {}", self.temperature));
+        }
         if !(self.top_p > 0.0 && self.top_p <= 1.0) {
             return invalid(format!("top_p must be in (0, 1], got {}", self.top_p));
         }
