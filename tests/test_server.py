@@ -4,11 +4,13 @@ texts equal LLM.generate / LLM.chat, per-request fields, 32 concurrent streams, 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
@@ -185,6 +187,26 @@ def test_sampling_fields_are_honoured(server: BackgroundServer, llm: stepllm.LLM
     chunks = list(client.chat.completions.create(model="qwen2", messages=CHAT, max_tokens=3, temperature=0, logprobs=True, stream=True))
     streamed = [t.token for ch in chunks if ch.choices and ch.choices[0].logprobs for t in (ch.choices[0].logprobs.content or [])]
     assert streamed == [llm.engine.decode_token(i) for i in want_ids]
+
+
+def test_chat_logprobs_carry_the_bytes_of_tokens_that_split_a_character(server: BackgroundServer, llm: stepllm.LLM) -> None:
+    vocab = json.loads((Path(model_dir("qwen2")) / "tokenizer.json").read_text())["model"]["vocab"]
+    lead_byte = vocab["\u00e2"]  # byte 0xE2 in the GPT-2 alphabet: the first byte of a three-byte character
+    assert llm.engine.token_bytes(lead_byte) == b"\xe2" and llm.engine.decode_token(lead_byte) == "\ufffd"
+    c = sync_client(server).chat.completions.create(
+        model="qwen2", messages=CHAT, max_tokens=3, temperature=0, logprobs=True, top_logprobs=2, logit_bias={str(lead_byte): 100}
+    )
+    content = c.choices[0].logprobs.content if c.choices[0].logprobs else None
+    assert content is not None and [t.bytes for t in content] == [[0xE2]] * 3
+    assert [t.token for t in content] == ["\ufffd"] * 3
+    for t in content:
+        for alt in t.top_logprobs:
+            assert alt.bytes is not None and bytes(alt.bytes).decode("utf-8", errors="replace") == alt.token
+    # A greedy reply's token bytes, joined, read as its text.
+    c = sync_client(server).chat.completions.create(model="qwen2", messages=CHAT, max_tokens=12, temperature=0, logprobs=True)
+    content = c.choices[0].logprobs.content if c.choices[0].logprobs else None
+    assert content is not None
+    assert b"".join(bytes(t.bytes or []) for t in content).decode("utf-8", errors="replace") == c.choices[0].message.content
 
 
 def test_echo_and_chat_without_max_tokens(server: BackgroundServer, llm: stepllm.LLM) -> None:

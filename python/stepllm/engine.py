@@ -38,6 +38,9 @@ class Engine:
     def decode_token(self, token_id: int) -> str:
         return self._engine.decode_token(token_id)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        return self._engine.token_bytes(token_id)
+
     def cancel(self, request_id: int) -> None:
         self._engine.cancel(request_id)
 

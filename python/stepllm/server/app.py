@@ -26,7 +26,7 @@ from . import metrics as m
 from .bridge import EngineLike, GenerationHandle
 from .errors import APIError
 from .protocol import ChatCompletionRequest, CompletionRequest, parse
-from .responses import Context, Kind, TokenText
+from .responses import Context, Kind, TokenBytes, TokenText
 from .streaming import EventStreamResponse, engine_error_message, stream_events, wait_unless_disconnected
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -61,6 +61,7 @@ class ServerState:
         self.created = int(time.time())
         self.metrics = m.ServerMetrics(engine.stats)
         self.token_text: TokenText = engine.decode_token
+        self.token_bytes: TokenBytes = engine.token_bytes
         self._lock = threading.Lock()
         self._handles: set[GenerationHandle] = set()
 
@@ -199,6 +200,7 @@ async def _generate(request: Request, kind: Kind) -> Response:
         id=("chatcmpl-" if kind == "chat" else "cmpl-") + rid,
         model=state.model_name,
         token_text=state.token_text,
+        token_bytes=state.token_bytes,
         include_usage=req.include_usage,
         echo=echo if isinstance(echo, str) else None,
     )

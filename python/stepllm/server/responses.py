@@ -11,6 +11,7 @@ from .._core import FinishReason, GenerationResponse, TokenLogprob
 
 Kind = Literal["completion", "chat"]
 TokenText = Callable[[int], str]
+TokenBytes = Callable[[int], bytes]
 
 
 def finish_reason(response: GenerationResponse) -> str:
@@ -38,6 +39,7 @@ class Context:
     id: str
     model: str
     token_text: TokenText  # Engine.decode_token
+    token_bytes: TokenBytes  # Engine.token_bytes
     created: int = field(default_factory=lambda: int(time.time()))
     include_usage: bool = False
     echo: str | None = None
@@ -114,20 +116,17 @@ class Context:
     def _top(self, lp: TokenLogprob) -> list[tuple[str, float]]:
         return [(self.token_text(t), v) for t, v in lp.top]
 
+    def _chat_entry(self, token_id: int, logprob: float) -> dict[str, Any]:
+        # bytes, not the text: a token holding part of a UTF-8 character reads as U+FFFD alone
+        return {"token": self.token_text(token_id), "logprob": logprob, "bytes": list(self.token_bytes(token_id))}
+
     def chat_logprobs(self, logprobs: Sequence[TokenLogprob] | None) -> dict[str, Any] | None:
         if logprobs is None:
             return None
-        content = []
-        for lp in logprobs:
-            tok = self.token_text(lp.token_id)
-            content.append(
-                {
-                    "token": tok,
-                    "logprob": lp.logprob,
-                    "bytes": token_bytes(tok),
-                    "top_logprobs": [{"token": t, "logprob": v, "bytes": token_bytes(t)} for t, v in self._top(lp)],
-                }
-            )
+        content = [
+            self._chat_entry(lp.token_id, lp.logprob) | {"top_logprobs": [self._chat_entry(t, v) for t, v in lp.top]}
+            for lp in logprobs
+        ]
         return {"content": content, "refusal": None}
 
     def completion_logprobs(self, logprobs: Sequence[TokenLogprob] | None, offset: int = 0) -> dict[str, Any] | None:
@@ -142,11 +141,6 @@ class Context:
             token_logprobs.append(lp.logprob)
             top.append(dict(self._top(lp)) or None)
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
-
-
-def token_bytes(token: str) -> list[int] | None:
-    # a token holding part of a UTF-8 character renders as U+FFFD; its true bytes are unknown here
-    return None if "\ufffd" in token else list(token.encode("utf-8"))
 
 
 def usage(response: GenerationResponse) -> dict[str, Any]:

@@ -107,6 +107,11 @@ impl RequestEngine {
         self.intents.tokenizer.decode(&[token_id], false)
     }
 
+    /// The bytes of one token, which may be part of a UTF-8 character (see `Tokenizer::token_bytes`).
+    pub fn token_bytes(&self, token_id: u32) -> Result<Vec<u8>> {
+        self.intents.tokenizer.token_bytes(token_id)
+    }
+
     /// Cancel a request wherever it is; its stream ends with finish reason CANCELLED. Unknown ids are ignored.
     pub fn cancel(&self, id: RequestId) {
         let _ = self.commands.send(Command::Cancel(id));

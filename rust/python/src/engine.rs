@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex, MutexGuard, RwLock, RwLockReadGuard};
 use std::time::Duration;
 
 use pyo3::prelude::*;
-use pyo3::types::PyDict;
+use pyo3::types::{PyBytes, PyDict};
 use stepllm_core::engine::{EngineEvent, RequestEngine};
 use stepllm_core::request::GenerationResponse;
 use stepllm_core::Error;
@@ -114,6 +114,12 @@ impl PyEngine {
     /// The text of one token id, special tokens included (for logprob displays).
     fn decode_token(&self, py: Python<'_>, token_id: u32) -> PyResult<String> {
         compute(py, || read(&self.inner).as_ref().ok_or_else(shut_down)?.decode_token(token_id))
+    }
+
+    /// The bytes of one token id, which may be part of a UTF-8 character (logprobs `bytes`).
+    fn token_bytes<'py>(&self, py: Python<'py>, token_id: u32) -> PyResult<Bound<'py, PyBytes>> {
+        let bytes = compute(py, || read(&self.inner).as_ref().ok_or_else(shut_down)?.token_bytes(token_id))?;
+        Ok(PyBytes::new(py, &bytes))
     }
 
     /// Pool and cache counts (PoolCounts fields).

@@ -78,11 +78,15 @@ impl ByteTable {
         }
     }
 
+    /// Token `id`'s own bytes (checked by the caller), which may be part of a UTF-8 character.
+    pub fn token_bytes(&self, id: u32) -> &[u8] {
+        &self.bytes[self.offsets[id as usize] as usize..self.offsets[id as usize + 1] as usize]
+    }
+
     fn push_bytes(&self, ids: &[u32], skip_special_tokens: bool, bytes: &mut Vec<u8>) {
         for &id in ids {
-            let id = id as usize;
-            if !(skip_special_tokens && self.special[id]) {
-                bytes.extend_from_slice(&self.bytes[self.offsets[id] as usize..self.offsets[id + 1] as usize]);
+            if !(skip_special_tokens && self.special[id as usize]) {
+                bytes.extend_from_slice(self.token_bytes(id));
             }
         }
     }

