@@ -209,6 +209,55 @@ def test_chat_logprobs_carry_the_bytes_of_tokens_that_split_a_character(server: 
     assert b"".join(bytes(t.bytes or []) for t in content).decode("utf-8", errors="replace") == c.choices[0].message.content
 
 
+def test_n_choices_per_prompt_and_prompt_batches(server: BackgroundServer, llm: stepllm.LLM) -> None:
+    client = sync_client(server)
+    # n seeded samples: choice j draws with seed + j, so it equals LLM.generate with that seed.
+    sampled = dict(temperature=0.9, top_p=0.95)
+    r = client.completions.create(model="qwen2", prompt="Hello", max_tokens=10, n=3, seed=7, **sampled)
+    want = [llm.generate("Hello", stepllm.SamplingParams(max_tokens=10, seed=7 + j, **sampled))[0] for j in range(3)]
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert [c.text for c in r.choices] == [w.output_text for w in want]
+    assert len({c.text for c in r.choices}) > 1, "seeds 7, 8 and 9 drew the same text"
+    assert r.usage is not None and r.usage.prompt_tokens == len(want[0].prompt_ids)  # the prompt counts once
+    assert r.usage.completion_tokens == sum(len(w.output_ids) for w in want)
+    # A batch of prompts with n = 2: choice i answers prompt i // 2; echo puts each prompt before its completion.
+    prompts = ["Hello", "Once upon a time", "1 2 3 4"]
+    r = client.completions.create(model="qwen2", prompt=prompts, max_tokens=6, n=2, temperature=0, echo=True, extra_body={"ignore_eos": True})
+    greedy_texts = [llm.generate(p, greedy(6))[0].output_text for p in prompts]
+    assert [c.index for c in r.choices] == list(range(6))
+    assert [c.text for c in r.choices] == [p + t for p, t in zip(prompts, greedy_texts) for _ in range(2)]
+    assert r.usage is not None and r.usage.completion_tokens == 36
+    # Token-id prompts batch too.
+    ids = [[5, 6, 7], [8, 9]]
+    r = client.completions.create(model="qwen2", prompt=ids, max_tokens=4, temperature=0, extra_body={"ignore_eos": True})
+    assert [c.text for c in r.choices] == [w.output_text for w in llm.generate(ids, greedy(4))]
+    assert r.usage is not None and r.usage.prompt_tokens == 5
+
+
+def test_streamed_choices_interleave_and_each_ends_once(server: BackgroundServer) -> None:
+    client = sync_client(server)
+    fields: dict[str, Any] = dict(model="qwen2", messages=CHAT, max_tokens=8, n=3, seed=11, temperature=0.8, logprobs=True)
+    whole = client.chat.completions.create(**fields)
+    chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **fields))
+    texts, finishes, roles, logprobs = ["", "", ""], [0, 0, 0], [0, 0, 0], [0, 0, 0]
+    for ch in chunks[:-1]:
+        (choice,) = ch.choices
+        texts[choice.index] += choice.delta.content or ""
+        roles[choice.index] += choice.delta.role == "assistant"
+        finishes[choice.index] += choice.finish_reason is not None
+        logprobs[choice.index] += len(choice.logprobs.content or []) if choice.logprobs else 0
+    assert texts == [c.message.content for c in whole.choices]
+    assert roles == [1, 1, 1] and finishes == [1, 1, 1]
+    assert logprobs == [len(c.logprobs.content or []) if c.logprobs else 0 for c in whole.choices]
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None and whole.usage is not None
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
+    # Every choice's finish chunk comes after all of its text.
+    last_text = {i: max(k for k, ch in enumerate(chunks[:-1]) if ch.choices[0].index == i and ch.choices[0].delta.content) for i in range(3)}
+    finish_at = {ch.choices[0].index: k for k, ch in enumerate(chunks[:-1]) if ch.choices[0].finish_reason is not None}
+    assert all(finish_at[i] > last_text[i] for i in range(3))
+
+
 def test_echo_and_chat_without_max_tokens(server: BackgroundServer, llm: stepllm.LLM) -> None:
     client = sync_client(server)
     r = client.completions.create(model="qwen2", prompt="Hello", max_tokens=5, temperature=0, echo=True)

@@ -64,10 +64,11 @@ def metrics_text(server: BackgroundServer) -> str:
 # ------------------------------------------------------------------------------------------------ disconnects
 
 
+@pytest.mark.parametrize("n", [1, 3])
 @pytest.mark.parametrize("endpoint", ["/v1/completions", "/v1/chat/completions"])
-def test_disconnect_mid_stream_cancels_the_request(server: BackgroundServer, engine: stepllm.Engine, endpoint: str) -> None:
+def test_disconnect_mid_stream_cancels_the_request(server: BackgroundServer, engine: stepllm.Engine, endpoint: str, n: int) -> None:
     before = cancelled(engine)
-    body = dict(LONG, stream=True)
+    body = dict(LONG, stream=True, n=n)
     if endpoint.endswith("chat/completions"):
         body = {k: v for k, v in body.items() if k != "prompt"} | {"messages": [{"role": "user", "content": "Hi"}]}
     started = time.monotonic()
@@ -76,22 +77,23 @@ def test_disconnect_mid_stream_cancels_the_request(server: BackgroundServer, eng
         lines = r.iter_lines()
         events = [next(lines) for _ in range(6)]
         assert any(e.startswith("data: {") for e in events)
-        assert engine.stats()["running"] == 1
-    # The connection is closed: the server cancels, the engine frees the slot and blocks well before the
-    # request could have finished by itself.
+        wait_for(lambda: engine.stats()["running"] == n, what=f"{n} running choices")
+    # The connection is closed: the server cancels every choice, the engine frees the slots and blocks well
+    # before the request could have finished by itself.
     wait_idle(engine, server, timeout=5)
-    assert cancelled(engine) == before + 1
+    assert cancelled(engine) == before + n
     assert time.monotonic() - started < 10
     label = "chat" if "chat" in endpoint else "completions"
     assert metric(metrics_text(server), "stepllm_requests_total", endpoint=label, outcome="cancelled") >= 1
 
 
-def test_disconnect_of_a_non_streamed_request_cancels_it(server: BackgroundServer, engine: stepllm.Engine) -> None:
+@pytest.mark.parametrize("n", [1, 3])
+def test_disconnect_of_a_non_streamed_request_cancels_it(server: BackgroundServer, engine: stepllm.Engine, n: int) -> None:
     before = cancelled(engine)
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{server.url}/v1/completions", json=LONG, timeout=httpx.Timeout(10, read=0.5))
+        httpx.post(f"{server.url}/v1/completions", json=dict(LONG, n=n), timeout=httpx.Timeout(10, read=0.5))
     wait_idle(engine, server, timeout=5)
-    assert cancelled(engine) == before + 1
+    assert cancelled(engine) == before + n
 
 
 def test_disconnect_while_waiting_in_the_queue(server: BackgroundServer, engine: stepllm.Engine) -> None:
@@ -138,7 +140,9 @@ BAD_BODIES: list[tuple[str, bytes | dict[str, Any], str | None]] = [
     ("/v1/completions", {"prompt": "hi", "min_p": 1.5}, "min_p"),
     ("/v1/completions", {"prompt": "hi", "presence_penalty": 3}, "presence_penalty"),
     ("/v1/completions", {"prompt": "hi", "seed": -1}, "seed"),
-    ("/v1/completions", {"prompt": "hi", "n": 2}, "n"),
+    ("/v1/completions", {"prompt": "hi", "n": 0}, "n"),
+    ("/v1/completions", {"prompt": "hi", "n": 100_000}, "n"),
+    ("/v1/completions", {"prompt": ["hi"] * 300, "n": 2}, "n"),
     ("/v1/completions", {"prompt": "hi", "logprobs": 50}, "logprobs"),
     ("/v1/completions", {"prompt": "hi", "logit_bias": {"abc": 1}}, "logit_bias"),
     ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 500}}, "logit_bias"),
@@ -146,7 +150,10 @@ BAD_BODIES: list[tuple[str, bytes | dict[str, Any], str | None]] = [
     ("/v1/completions", {"prompt": "hi", "stop": [""]}, "stop"),
     ("/v1/completions", {"prompt": [999999]}, None),
     ("/v1/completions", {"prompt": ""}, None),
-    ("/v1/completions", {"prompt": ["a", "b"]}, "prompt"),
+    ("/v1/completions", {"prompt": ["a", [1]]}, "prompt"),
+    ("/v1/completions", {"prompt": [[5, 6], [999999]]}, None),
+    ("/v1/completions", {"prompt": [[5, 6], []]}, "prompt"),
+    ("/v1/completions", {"prompt": [[5, 6], [7]], "echo": True}, "echo"),
     ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, None),
     ("/v1/chat/completions", {"messages": []}, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role"),
@@ -206,8 +213,9 @@ def test_bad_values_raise_in_the_openai_client(server: BackgroundServer) -> None
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model="qwen2", messages=[{"role": "user", "content": "hi"}], temperature=-1)
     assert e.value.code == "invalid_value" and e.value.param == "temperature"
-    with pytest.raises(openai.BadRequestError):
-        client.completions.create(model="qwen2", prompt="hi", n=3)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="qwen2", prompt="hi", n=100_000)
+    assert e.value.param == "n"
 
 
 # ------------------------------------------------------------------------------------------------ auth
@@ -253,6 +261,24 @@ def test_full_waiting_queue_answers_429(server: BackgroundServer, engine: stepll
                 s.__exit__(None, None, None)
     wait_idle(engine, server, timeout=5)
     assert metric(metrics_text(server), "stepllm_requests_total", endpoint="completions", outcome="overloaded") >= 1
+
+
+def test_a_request_whose_choices_do_not_fit_the_queue_answers_429(server: BackgroundServer, engine: stepllm.Engine) -> None:
+    """4 requests in flight leave room for 2 (max_waiting=2 over 4 slots): n = 3 gets 429, n = 2 waits."""
+    with http(server) as c:
+        streams = [c.stream("POST", "/v1/completions", json=dict(LONG, stream=True)) for _ in range(4)]
+        try:
+            for s in streams:
+                assert s.__enter__().status_code == 200
+            wait_for(lambda: engine.stats()["running"] == 4, what="4 running")
+            assert_error_body(c.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 1, "n": 3}), 429, type="rate_limit_error")
+            with c.stream("POST", "/v1/completions", json={"prompt": "Hello", "max_tokens": 1, "n": 2, "stream": True}) as waiting:
+                assert waiting.status_code == 200
+                wait_for(lambda: engine.stats()["waiting"] == 2, what="both choices waiting")
+        finally:
+            for s in streams:
+                s.__exit__(None, None, None)
+    wait_idle(engine, server, timeout=5)
 
 
 # ------------------------------------------------------------------------------------------------ engine errors

@@ -96,15 +96,24 @@ class ServerState:
         if name is not None and name not in (self.model_name, self.info["source"]):
             raise errors.model_not_found(name)
 
-    def check_capacity(self) -> None:
-        """429 when the queue behind the running requests is full. Every slot is either running or waiting, so
-        in-flight beyond the slots is the waiting queue; counted here, without a round trip to the engine."""
-        if self.inflight >= self.max_running + self.max_waiting:
+    def check_capacity(self, choices: int) -> None:
+        """429 when the queue behind the running requests has no room for `choices` more; 400 when it never could.
+        Every slot is either running or waiting, so in-flight beyond the slots is the waiting queue; counted here,
+        without a round trip to the engine."""
+        room = self.max_running + self.max_waiting
+        if choices > room:
+            raise errors.bad_request(
+                f"this request asks for {choices} choices (n times the prompts), more than the server runs and queues "
+                f"at once ({room}); send fewer prompts or a smaller n",
+                param="n",
+                code="invalid_value",
+            )
+        if self.inflight + choices > room:
             raise errors.overloaded(RETRY_AFTER_S, self.waiting)
 
-    def submit(self, endpoint: str, req: AnyRequest, arrived: float) -> GenerationHandle:
-        """Queue the request (InvalidRequestError -> 400). A chat request without a limit gets the default,
-        halved until prompt + limit fits the context."""
+    def submit(self, endpoint: str, req: AnyRequest, arrived: float) -> list[GenerationHandle]:
+        """Queue every choice of the request (InvalidRequestError -> 400, with none of its choices left queued). A
+        chat request without a limit gets the default, halved until prompt + limit fits the context."""
         on_end = self._ended(endpoint)
         requested = req.requested_max_tokens()
         if requested is not None or isinstance(req, CompletionRequest):
@@ -116,16 +125,30 @@ class ServerState:
                     param="max_tokens",
                     code="invalid_value",
                 )
-            return self._start(req.generation_request(limit), arrived, on_end)
+            return self._start_all(req.generation_requests(limit), arrived, on_end)
         # Half the KV cache at most, so that prompt + limit fits it unless the prompt alone is huge.
         limit = min(self.chat_default_max_tokens, int(self.info["max_model_len"]) - 1, int(self.info["kv_cache_tokens"]) // 2)
         while True:
             try:
-                return self._start(req.generation_request(max(limit, 1)), arrived, on_end)
+                return self._start_all(req.generation_requests(max(limit, 1)), arrived, on_end)
             except InvalidRequestError:
                 if limit <= 1:
                     raise
                 limit //= 2
+
+    def _start_all(
+        self, requests: list[GenerationRequest], arrived: float, on_end: Callable[[GenerationHandle], None]
+    ) -> list[GenerationHandle]:
+        """Start every choice, or none: one the engine refuses cancels those already started."""
+        handles: list[GenerationHandle] = []
+        try:
+            for request in requests:
+                handles.append(self._start(request, arrived, on_end))
+        except BaseException:
+            for handle in handles:
+                handle.cancel()
+            raise
+        return handles
 
     def _start(self, request: GenerationRequest, arrived: float, on_end: Callable[[GenerationHandle], None]) -> GenerationHandle:
         handle = GenerationHandle.start(self.engine, request, arrived=arrived, on_end=on_end)
@@ -184,9 +207,11 @@ async def _generate(request: Request, kind: Kind) -> Response:
         state.authorize(request)
         req: AnyRequest = parse(ChatCompletionRequest if kind == "chat" else CompletionRequest, await read_body(request))
         state.check_model(req.model)
-        state.check_capacity()
-        echo = req.single_prompt() if isinstance(req, CompletionRequest) and req.echo else None
-        handle = state.submit(endpoint, req, arrived)
+        prompts = req.prompts() if isinstance(req, CompletionRequest) else [req.conversation()]
+        state.check_capacity(len(prompts) * req.samples)
+        # prompts() refuses echo of token prompts, so with echo every prompt is text
+        echoes = [p for p in prompts if isinstance(p, str)] if isinstance(req, CompletionRequest) and req.echo else []
+        handles = state.submit(endpoint, req, arrived)
     except APIError as e:
         state.metrics.refused(endpoint, _refusal_outcome(e.status))
         raise
@@ -202,22 +227,32 @@ async def _generate(request: Request, kind: Kind) -> Response:
         token_text=state.token_text,
         token_bytes=state.token_bytes,
         include_usage=req.include_usage,
-        echo=echo if isinstance(echo, str) else None,
+        samples=req.samples,
+        echoes=echoes,
     )
     headers = {"X-Request-Id": rid}
     want_logprobs = req.requested_logprobs() is not None
     if req.stream:
-        return EventStreamResponse(stream_events(handle, ctx, want_logprobs), on_disconnect=handle.cancel, headers=headers)
+        return EventStreamResponse(stream_events(handles, ctx, want_logprobs), on_disconnect=cancel_all(handles), headers=headers)
 
     try:
-        response = await wait_unless_disconnected(request.receive, handle)
+        responses = await wait_unless_disconnected(request.receive, handles)
     except Exception as e:
         raise errors.server_error(f"the engine failed this request: {e}") from None
-    if response is None:  # the client left; nothing will read what we answer
+    if responses is None:  # the client left; nothing will read what we answer
         return Response(status_code=499)
-    if response.finish_reason == FinishReason.ERROR:
-        raise errors.server_error(engine_error_message(response))
-    return JSONResponse(ctx.full(response), headers=headers)
+    failed = [r for r in responses if r.finish_reason == FinishReason.ERROR]
+    if failed:
+        raise errors.server_error(engine_error_message(failed[0]))
+    return JSONResponse(ctx.full(responses), headers=headers)
+
+
+def cancel_all(handles: list[GenerationHandle]) -> Callable[[], None]:
+    def cancel() -> None:
+        for handle in handles:
+            handle.cancel()
+
+    return cancel
 
 
 def _refusal_outcome(status: int) -> str:

@@ -2,7 +2,8 @@
 and their translation into the core's SamplingParams / GenerationRequest.
 
 Beyond OpenAI's fields, vLLM's common extensions are honoured: top_k, min_p, repetition_penalty, ignore_eos,
-stop_token_ids, skip_special_tokens, add_special_tokens (completions) and request_id.
+stop_token_ids, skip_special_tokens, add_special_tokens (completions) and request_id. A request becomes one core
+request per choice: `n` per prompt, and /v1/completions takes a batch of prompts.
 """
 
 from __future__ import annotations
@@ -72,13 +73,6 @@ class _Sampling(_Strict):
                 raise ValueError(f"logit_bias values must lie in [-100, 100], got {bias} for token {key}")
         return v
 
-    @field_validator("n")
-    @classmethod
-    def _only_n_1(cls, v: int | None) -> int | None:
-        if v not in (None, 1):
-            raise ValueError("only n = 1 is supported")
-        return v
-
     @model_validator(mode="after")
     def _stream_options(self) -> _Sampling:
         if self.stream_options is not None and not self.stream:
@@ -95,8 +89,14 @@ class _Sampling(_Strict):
     def requested_logprobs(self) -> int | None:
         return None
 
-    def sampling_params(self, max_tokens: int | None) -> SamplingParams:
-        """The core's SamplingParams; its own validation errors become 400s."""
+    @property
+    def samples(self) -> int:
+        """Choices per prompt (`n`)."""
+        return self.n or 1
+
+    def sampling_params(self, max_tokens: int | None, sample: int = 0) -> SamplingParams:
+        """The core's SamplingParams for the prompt's `sample`-th choice; its own validation errors become 400s.
+        With a seed, choice j draws with seed + j, so the choices differ and the whole answer repeats."""
         top_k = self.top_k
         try:
             return SamplingParams(
@@ -105,7 +105,7 @@ class _Sampling(_Strict):
                 top_k=0 if top_k == -1 else top_k,
                 top_p=self.top_p,
                 min_p=self.min_p,
-                seed=self.seed,
+                seed=None if self.seed is None else (self.seed + sample) % 2**64,
                 repetition_penalty=self.repetition_penalty,
                 presence_penalty=self.presence_penalty,
                 frequency_penalty=self.frequency_penalty,
@@ -142,22 +142,25 @@ class CompletionRequest(_Sampling):
     def requested_logprobs(self) -> int | None:
         return self.logprobs
 
-    def single_prompt(self) -> str | TokenIds:
+    def prompts(self) -> list[str | TokenIds]:
+        """The prompts in order: one string or token list, or a batch of either."""
         p = self.prompt
-        if isinstance(p, list) and p and not isinstance(p[0], int):
-            if len(p) != 1:
-                raise bad_request("only one prompt per request is supported; send one request per prompt", param="prompt")
-            p = p[0]
-        if isinstance(p, list) and not p:
-            raise bad_request("prompt is empty: give at least one character or token", param="prompt")
-        if self.echo and not isinstance(p, str):
-            raise bad_request("echo is supported for text prompts only", param="echo")
-        return p  # type: ignore[return-value]
+        batch: list[Any] = p if isinstance(p, list) and p and not isinstance(p[0], int) else [p]
+        for one in batch:
+            if isinstance(one, list) and not one:
+                raise bad_request("prompt is empty: give at least one character or token", param="prompt")
+            if self.echo and not isinstance(one, str):
+                raise bad_request("echo is supported for text prompts only", param="echo")
+        return batch
 
-    def generation_request(self, max_tokens: int | None) -> GenerationRequest:
-        return GenerationRequest(
-            self.single_prompt(), self.sampling_params(max_tokens), add_special_tokens=bool(self.add_special_tokens)
-        )
+    def generation_requests(self, max_tokens: int | None) -> list[GenerationRequest]:
+        """One request per choice: each prompt's `n` samples, prompt by prompt (choice i is prompt i // n)."""
+        add_special_tokens = bool(self.add_special_tokens)
+        return [
+            GenerationRequest(prompt, self.sampling_params(max_tokens, sample), add_special_tokens=add_special_tokens)
+            for prompt in self.prompts()
+            for sample in range(self.samples)
+        ]
 
 
 class TextPart(_Strict):
@@ -213,8 +216,10 @@ class ChatCompletionRequest(_Sampling):
         # Chat templates know system/user/assistant; OpenAI's newer "developer" role is a system message.
         return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
 
-    def generation_request(self, max_tokens: int | None) -> GenerationRequest:
-        return GenerationRequest(self.conversation(), self.sampling_params(max_tokens))
+    def generation_requests(self, max_tokens: int | None) -> list[GenerationRequest]:
+        """One request per choice: the conversation's `n` samples."""
+        conversation = self.conversation()
+        return [GenerationRequest(conversation, self.sampling_params(max_tokens, sample)) for sample in range(self.samples)]
 
 
 def parse(model: type[CompletionRequest] | type[ChatCompletionRequest], body: bytes) -> Any:

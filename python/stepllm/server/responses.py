@@ -33,7 +33,7 @@ def stop_reason(response: GenerationResponse) -> str | int | None:
 
 @dataclass
 class Context:
-    """What every body of one request shares."""
+    """What every body of one request shares. Choice i answers prompt i // samples (its samples-th draw)."""
 
     kind: Kind
     id: str
@@ -42,7 +42,12 @@ class Context:
     token_bytes: TokenBytes  # Engine.token_bytes
     created: int = field(default_factory=lambda: int(time.time()))
     include_usage: bool = False
-    echo: str | None = None
+    samples: int = 1
+    echoes: Sequence[str] = ()  # each prompt's text, when the completion echoes its prompts
+
+    def echo(self, index: int) -> str:
+        """What choice `index` repeats before its completion: its prompt, with echo, else nothing."""
+        return self.echoes[index // self.samples] if self.echoes else ""
 
     @property
     def object(self) -> str:
@@ -54,24 +59,36 @@ class Context:
 
     # --------------------------------------------------------------------------------------- full responses
 
-    def full(self, response: GenerationResponse) -> dict[str, Any]:
-        text = response.output_text
-        choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason(response), "stop_reason": stop_reason(response)}
-        if self.kind == "chat":
-            choice["message"] = {"role": "assistant", "content": text, "refusal": None, "tool_calls": []}
-            choice["logprobs"] = self.chat_logprobs(response.logprobs)
-        else:
-            choice["text"] = (self.echo or "") + text
-            choice["logprobs"] = self.completion_logprobs(response.logprobs, offset=len(self.echo or ""))
+    def full(self, responses: Sequence[GenerationResponse]) -> dict[str, Any]:
         return {
             "id": self.id,
             "object": self.object,
             "created": self.created,
             "model": self.model,
-            "choices": [choice],
-            "usage": usage(response),
+            "choices": [self._full_choice(index, response) for index, response in enumerate(responses)],
+            "usage": self.usage(responses),
             "system_fingerprint": None,
         }
+
+    def _full_choice(self, index: int, response: GenerationResponse) -> dict[str, Any]:
+        text = response.output_text
+        choice: dict[str, Any] = {"index": index, "finish_reason": finish_reason(response), "stop_reason": stop_reason(response)}
+        if self.kind == "chat":
+            choice["message"] = {"role": "assistant", "content": text, "refusal": None, "tool_calls": []}
+            choice["logprobs"] = self.chat_logprobs(response.logprobs)
+        else:
+            echo = self.echo(index)
+            choice["text"] = echo + text
+            choice["logprobs"] = self.completion_logprobs(response.logprobs, offset=len(echo))
+        return choice
+
+    def usage(self, responses: Sequence[GenerationResponse]) -> dict[str, Any]:
+        """Prompt tokens once per prompt (its first choice's), completion tokens of every choice."""
+        firsts = responses[:: self.samples]
+        p = sum(len(r.prompt_ids) for r in firsts)
+        c = sum(len(r.output_ids) for r in responses)
+        cached = sum(r.cached_prompt_tokens for r in firsts)
+        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c, "prompt_tokens_details": {"cached_tokens": cached}}
 
     # --------------------------------------------------------------------------------------- stream chunks
 
@@ -79,11 +96,12 @@ class Context:
         self,
         text: str | None,
         *,
+        index: int = 0,
         role: bool = False,
         logprobs: Sequence[TokenLogprob] | None = None,
         finish: GenerationResponse | None = None,
     ) -> str:
-        choice: dict[str, Any] = {"index": 0}
+        choice: dict[str, Any] = {"index": index}
         if self.kind == "chat":
             delta: dict[str, Any] = {}
             if role:
@@ -100,9 +118,9 @@ class Context:
             choice["stop_reason"] = stop_reason(finish)
         return sse(self._chunk_envelope([choice]))
 
-    def usage_chunk(self, response: GenerationResponse) -> str:
+    def usage_chunk(self, responses: Sequence[GenerationResponse]) -> str:
         body = self._chunk_envelope([])
-        body["usage"] = usage(response)
+        body["usage"] = self.usage(responses)
         return sse(body)
 
     def _chunk_envelope(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
@@ -141,16 +159,6 @@ class Context:
             token_logprobs.append(lp.logprob)
             top.append(dict(self._top(lp)) or None)
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
-
-
-def usage(response: GenerationResponse) -> dict[str, Any]:
-    p, c = len(response.prompt_ids), len(response.output_ids)
-    return {
-        "prompt_tokens": p,
-        "completion_tokens": c,
-        "total_tokens": p + c,
-        "prompt_tokens_details": {"cached_tokens": response.cached_prompt_tokens},
-    }
 
 
 def sse(body: dict[str, Any] | str) -> str:

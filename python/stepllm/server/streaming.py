@@ -4,51 +4,82 @@ goes away at once (not only at its next write), so the engine drops the request 
 from __future__ import annotations
 
 import asyncio
-from typing import AsyncGenerator, Callable, Mapping
+from typing import AsyncGenerator, Callable, Mapping, Sequence, Union
 
 import anyio
 from anyio import CancelScope
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from .._core import FinishReason, GenerationResponse
+from .._core import FinishReason, GenerationResponse, StreamChunk
 from .bridge import GenerationHandle
 from .errors import error_body
 from .responses import DONE, Context, sse
 
 
-async def stream_events(handle: GenerationHandle, ctx: Context, want_logprobs: bool) -> AsyncGenerator[str, None]:
-    """The request's chunks as SSE events, then the finish chunk, the usage chunk if asked, and [DONE]. An engine
-    failure after the headers went out is an error event (the official client raises it as an APIError). However
-    the generator ends, the request is cancelled if it is still running."""
+# What a choice's follower hands the stream: a chunk, the choice's end (None), or the error that broke it.
+_Event = Union[StreamChunk, BaseException, None]
+
+
+async def stream_events(handles: Sequence[GenerationHandle], ctx: Context, want_logprobs: bool) -> AsyncGenerator[str, None]:
+    """The choices' chunks as SSE events in the order they come, each naming its choice; a choice's finish chunk
+    when it ends; then the usage chunk if asked, and [DONE]. An engine failure of any choice after the headers went
+    out is an error event that ends the stream (the official client raises it as an APIError). However the
+    generator ends, every choice still running is cancelled."""
+    merged: asyncio.Queue[tuple[int, _Event]] = asyncio.Queue()
+    followers = [asyncio.ensure_future(_follow(index, handle, merged)) for index, handle in enumerate(handles)]
     try:
-        if ctx.kind == "chat":
-            yield ctx.chunk("", role=True)
-        if ctx.echo:
-            yield ctx.chunk(ctx.echo)
-        try:
-            async for chunk in handle.chunks():
-                if chunk.text:
-                    yield ctx.chunk(chunk.text)
-        except Exception as e:
-            yield sse(error_body(f"the engine failed this request: {e}", "server_error", code="engine_error"))
-            yield DONE
-            return
-        response = handle.response
-        assert response is not None
-        if response.finish_reason == FinishReason.ERROR:
-            yield sse(error_body(engine_error_message(response), "server_error", code="engine_error"))
-            yield DONE
-            return
-        if want_logprobs and response.logprobs:
-            # The core streams text without logprobs; they arrive with the final response, in one chunk.
-            yield ctx.chunk("", logprobs=response.logprobs)
-        yield ctx.chunk(None if ctx.kind == "chat" else "", finish=response)
+        for index in range(len(handles)):
+            if ctx.kind == "chat":
+                yield ctx.chunk("", index=index, role=True)
+            if ctx.echo(index):
+                yield ctx.chunk(ctx.echo(index), index=index)
+        running = len(handles)
+        while running:
+            index, event = await merged.get()
+            if isinstance(event, StreamChunk):
+                if event.text:
+                    yield ctx.chunk(event.text, index=index)
+                continue
+            if isinstance(event, BaseException):
+                yield sse(error_body(f"the engine failed this request: {event}", "server_error", code="engine_error"))
+                yield DONE
+                return
+            running -= 1
+            response = handles[index].response
+            assert response is not None
+            if response.finish_reason == FinishReason.ERROR:
+                yield sse(error_body(engine_error_message(response), "server_error", code="engine_error"))
+                yield DONE
+                return
+            if want_logprobs and response.logprobs:
+                # The core streams text without logprobs; they arrive with the final response, in one chunk.
+                yield ctx.chunk("", index=index, logprobs=response.logprobs)
+            yield ctx.chunk(None if ctx.kind == "chat" else "", index=index, finish=response)
         if ctx.include_usage:
-            yield ctx.usage_chunk(response)
+            yield ctx.usage_chunk([_response_of(h) for h in handles])
         yield DONE
     finally:
-        handle.cancel()
+        for follower in followers:
+            follower.cancel()
+        for handle in handles:
+            handle.cancel()
+
+
+async def _follow(index: int, handle: GenerationHandle, merged: asyncio.Queue[tuple[int, _Event]]) -> None:
+    """Forward one choice's chunks, then its end or the error that broke its stream."""
+    try:
+        async for chunk in handle.chunks():
+            merged.put_nowait((index, chunk))
+        merged.put_nowait((index, None))
+    except Exception as e:
+        merged.put_nowait((index, e))
+
+
+def _response_of(handle: GenerationHandle) -> GenerationResponse:
+    response = handle.response
+    assert response is not None, "a choice that ended has its response"
+    return response
 
 
 def engine_error_message(response: GenerationResponse) -> str:
@@ -98,15 +129,15 @@ class EventStreamResponse(Response):
                 return
 
 
-async def wait_unless_disconnected(receive: Receive, handle: GenerationHandle) -> GenerationResponse | None:
-    """The final response of a non-streamed request, or None if the client went away first (the request is then
-    cancelled)."""
+async def wait_unless_disconnected(receive: Receive, handles: Sequence[GenerationHandle]) -> list[GenerationResponse] | None:
+    """The final responses of a non-streamed request's choices, or None if the client went away first. Raises if a
+    choice's stream broke. Either way, no choice is left running."""
 
     async def disconnected() -> None:
         while (await receive())["type"] != "http.disconnect":
             pass
 
-    result = asyncio.ensure_future(handle.result())
+    result = asyncio.ensure_future(asyncio.gather(*(h.result() for h in handles)))
     watch = asyncio.ensure_future(disconnected())
     try:
         done, _ = await asyncio.wait({result, watch}, return_when=asyncio.FIRST_COMPLETED)
@@ -117,5 +148,6 @@ async def wait_unless_disconnected(receive: Receive, handle: GenerationHandle) -
     finally:
         watch.cancel()
         if not result.done():
-            handle.cancel()
             result.cancel()
+        for handle in handles:  # a no-op for the choices that finished
+            handle.cancel()
