@@ -1,14 +1,17 @@
-"""CPU decode throughput: stepllm vs Hugging Face transformers on the default model, side by side in one run.
+"""CPU decode throughput: stepllm vs Hugging Face transformers (and llama.cpp) on the default model, side by side
+in one run.
 
     python benchmarks/cpu_decode.py [--peer-python /path/to/python-with-transformers] [--batch-sizes 1,8]
-                                    [--dtypes f32,bf16,int8]
+                                    [--dtypes f32,bf16,int8] [--llama-cpp-python /path/to/python-with-llama-cpp]
 
 Both run SmolLM2-135M-Instruct from the same Q4_1 GGUF (transformers dequantizes it to f32 on load), greedy,
 a 32-token prompt, 64 new tokens (EOS ignored), all threads of the machine. stepllm runs once per weight dtype:
 f32 (exact, like transformers), bf16 and int8 (weights rounded on load; f32 activations and accumulation).
 tok/s = generated tokens / wall time of the whole generate call (prefill included), best of --repeats.
 transformers runs in this interpreter when it can be imported, else under --peer-python (it needs torch,
-transformers and gguf); without either, only stepllm's rows are printed.
+transformers and gguf); without either, only stepllm's rows are printed. With --llama-cpp-python (an interpreter
+with llama-cpp-python, which builds llama.cpp from source), llama.cpp runs the GGUF as it is (Q4_1 weights, Q8
+activations in its dot products) at batch 1: its Python API decodes one sequence, so other batches show "-".
 """
 
 from __future__ import annotations
@@ -79,6 +82,33 @@ def bench_transformers(gguf: Path, sizes: list[int], new_tokens: int, repeats: i
     return rates
 
 
+def bench_llama_cpp(gguf: Path, new_tokens: int, repeats: int) -> float:
+    """Batch-1 tok/s of llama.cpp through llama-cpp-python, timed like the others (prefill included)."""
+    from llama_cpp import Llama
+
+    model = Llama(model_path=str(gguf), n_ctx=PROMPT_TOKENS + new_tokens + 8, n_threads=os.cpu_count() or 1, verbose=False)
+
+    def one(prompt: list[int]) -> float:
+        start, n = time.perf_counter(), 0
+        for _ in model.generate(prompt, temp=0.0, top_k=1, reset=True):  # a raw generator: EOS does not stop it
+            n += 1
+            if n == new_tokens:
+                break
+        return n / (time.perf_counter() - start)
+
+    one(prompts(1)[0][:8])  # warm-up
+    return max(one([t + r for t in prompts(1)[0]]) for r in range(repeats))
+
+
+def llama_cpp_rate(args: argparse.Namespace, gguf: Path) -> tuple[float | None, str]:
+    if not args.llama_cpp_python:
+        return None, "not run (pass --llama-cpp-python)"
+    cmd = [args.llama_cpp_python, __file__, "--only-llama-cpp", "--new-tokens", str(args.new_tokens),
+           "--repeats", str(args.repeats), "--gguf", str(gguf)]
+    data = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1])
+    return data["rate"], data["version"]
+
+
 def peer_rates(args: argparse.Namespace, gguf: Path, sizes: list[int]) -> tuple[dict[int, float] | None, str]:
     if importlib.util.find_spec("transformers") is not None:
         import transformers
@@ -101,7 +131,9 @@ def main() -> None:
     p.add_argument("--peer-python", default=None)
     p.add_argument("--dtypes", default="f32,bf16,int8", help="stepllm weight dtypes to run, comma-separated")
     p.add_argument("--gguf", default=None)
+    p.add_argument("--llama-cpp-python", default=None, help="an interpreter with llama-cpp-python: llama.cpp at batch 1")
     p.add_argument("--only-transformers", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--only-llama-cpp", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     sizes = [int(x) for x in args.batch_sizes.split(",")]
     gguf = Path(args.gguf) if args.gguf else default_gguf()
@@ -111,17 +143,24 @@ def main() -> None:
         rates = bench_transformers(gguf, sizes, args.new_tokens, args.repeats)
         print(json.dumps({"rates": rates, "version": f"transformers {transformers.__version__}"}))
         return
+    if args.only_llama_cpp:
+        import llama_cpp
+
+        rate = bench_llama_cpp(gguf, args.new_tokens, args.repeats)
+        print(json.dumps({"rate": rate, "version": f"llama-cpp-python {llama_cpp.__version__}"}))
+        return
     dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
     ours = {dtype: bench_stepllm(gguf, sizes, args.new_tokens, args.repeats, dtype) for dtype in dtypes}
     peer, peer_name = peer_rates(args, gguf, sizes)
+    llama_cpp, llama_cpp_name = llama_cpp_rate(args, gguf)
     print(f"# {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs; {gguf.name}; prompt {PROMPT_TOKENS}, "
-          f"{args.new_tokens} new tokens, greedy; peer: {peer_name}")
+          f"{args.new_tokens} new tokens, greedy; peer: {peer_name}; llama.cpp: {llama_cpp_name}")
     print("# tok/s (speed-up over transformers f32)")
-    columns = ["transformers f32"] + [f"stepllm {d}" for d in dtypes]
+    columns = ["transformers f32", "llama.cpp"] + [f"stepllm {d}" for d in dtypes]
     print(f"{'batch':>5}" + "".join(f"  {c:>18}" for c in columns))
     for b in sizes:
         theirs = peer.get(b) if peer else None
-        cells = [f"{theirs:.1f}" if theirs else "-"]
+        cells = [f"{theirs:.1f}" if theirs else "-", f"{llama_cpp:.1f}" if llama_cpp and b == 1 else "-"]
         for dtype in dtypes:
             rate = ours[dtype][b]
             cells.append(f"{rate:.1f} ({rate / theirs:.2f}x)" if theirs else f"{rate:.1f}")

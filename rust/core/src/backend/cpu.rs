@@ -5,7 +5,7 @@
 use super::batch::BatchPlan;
 use super::cpu_attention::{self, CpuKvCache};
 use super::cpu_kernels::{for_each_row, rms_norm_row, silu, PARALLEL_ELEMENTS};
-use super::cpu_matmul::{matmul_transposed, pack_bf16, pack_f32, pack_int8, Kernels, Weights};
+use super::cpu_matmul::{matmul_transposed, pack_bf16, pack_blocks, pack_f32, pack_int8, Kernels, Weights};
 use super::{AttentionShape, Backend, KvCacheDtype, KvCacheShape};
 use crate::error::{invalid, Error, Result};
 use crate::model::loader::HostTensor;
@@ -15,7 +15,8 @@ use rayon::prelude::*;
 /// weights, biases, activations and the KV cache stay f32 in every format.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum CpuWeightFormat {
-    /// Exact: the checkpoint's values.
+    /// Exact: the checkpoint's values (a matrix dequantized from 4- or 8-bit GGUF blocks is kept as those
+    /// blocks, which rebuild the same values).
     #[default]
     F32,
     /// Rounded to bf16 (nearest even): half the bytes, about 3 significant digits per weight.
@@ -96,6 +97,8 @@ enum MatrixStorage {
     F32(Vec<f32>),
     Bf16(Vec<u16>),
     Int8 { values: Vec<i8>, scales: Vec<f32> },
+    /// The f32 format's weights, exactly, as blocks of 8-bit integers (`cpu_matmul::pack_blocks`).
+    Blocks { values: Vec<i8>, scales: Vec<f32>, mins: Vec<f32> },
 }
 
 impl CpuMatrix {
@@ -112,6 +115,7 @@ impl CpuMatrix {
             MatrixStorage::F32(data) => Weights::F32(data),
             MatrixStorage::Bf16(data) => Weights::Bf16(data),
             MatrixStorage::Int8 { values, scales } => Weights::Int8 { values, scales },
+            MatrixStorage::Blocks { values, scales, mins } => Weights::Blocks { values, scales, mins },
         }
     }
 
@@ -149,7 +153,12 @@ impl Backend for CpuBackend {
         };
         check_host_len(&host)?;
         let storage = match self.weight_format {
-            CpuWeightFormat::F32 => MatrixStorage::F32(pack_f32(&host.data, rows, cols)),
+            // Weights dequantized from a GGUF's 4- or 8-bit blocks keep that form: the same values, a quarter of
+            // the bytes each matmul streams.
+            CpuWeightFormat::F32 => match pack_blocks(&host.data, rows, cols) {
+                Some((values, scales, mins)) => MatrixStorage::Blocks { values, scales, mins },
+                None => MatrixStorage::F32(pack_f32(&host.data, rows, cols)),
+            },
             CpuWeightFormat::Bf16 => MatrixStorage::Bf16(pack_bf16(&host.data, rows, cols)),
             CpuWeightFormat::Int8 => {
                 let (values, scales) = pack_int8(&host.data, rows, cols);

