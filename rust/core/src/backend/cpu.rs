@@ -5,7 +5,7 @@
 use super::batch::BatchPlan;
 use super::cpu_attention::{self, CpuKvCache};
 use super::cpu_kernels::{for_each_row, rms_norm_row, silu, PARALLEL_ELEMENTS};
-use super::cpu_matmul::{matmul_transposed, pack_bf16, pack_blocks, pack_f32, pack_int8, Kernels, Weights};
+use super::cpu_matmul::{matmul_transposed, pack_bf16, pack_blocks, pack_f32, pack_int8, BlockMatrix, Kernels, Weights};
 use super::{AttentionShape, Backend, KvCacheDtype, KvCacheShape};
 use crate::error::{invalid, Error, Result};
 use crate::model::loader::HostTensor;
@@ -97,8 +97,8 @@ enum MatrixStorage {
     F32(Vec<f32>),
     Bf16(Vec<u16>),
     Int8 { values: Vec<i8>, scales: Vec<f32> },
-    /// The f32 format's weights, exactly, as blocks of 8-bit integers (`cpu_matmul::pack_blocks`).
-    Blocks { values: Vec<i8>, scales: Vec<f32>, mins: Vec<f32> },
+    /// The f32 format's weights, exactly, as blocks of 4- or 8-bit integers (`cpu_matmul::pack_blocks`).
+    Blocks(BlockMatrix),
 }
 
 impl CpuMatrix {
@@ -115,7 +115,7 @@ impl CpuMatrix {
             MatrixStorage::F32(data) => Weights::F32(data),
             MatrixStorage::Bf16(data) => Weights::Bf16(data),
             MatrixStorage::Int8 { values, scales } => Weights::Int8 { values, scales },
-            MatrixStorage::Blocks { values, scales, mins } => Weights::Blocks { values, scales, mins },
+            MatrixStorage::Blocks(blocks) => blocks.weights(),
         }
     }
 
@@ -156,7 +156,7 @@ impl Backend for CpuBackend {
             // Weights dequantized from a GGUF's 4- or 8-bit blocks keep that form: the same values, a quarter of
             // the bytes each matmul streams.
             CpuWeightFormat::F32 => match pack_blocks(&host.data, rows, cols) {
-                Some((values, scales, mins)) => MatrixStorage::Blocks { values, scales, mins },
+                Some(blocks) => MatrixStorage::Blocks(blocks),
                 None => MatrixStorage::F32(pack_f32(&host.data, rows, cols)),
             },
             CpuWeightFormat::Bf16 => MatrixStorage::Bf16(pack_bf16(&host.data, rows, cols)),

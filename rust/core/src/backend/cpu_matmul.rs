@@ -1,8 +1,8 @@
 //! `out = x · wᵀ` for a weight `w` of Hugging Face shape `[n, k]` (out_features, in_features), kept in one of
 //! four formats: exact f32, bf16 (f32 with the low 16 mantissa bits rounded off), int8 with one f32 scale
-//! per weight row, or exact blocks: 8-bit integers with a scale and a minimum per row and block of [`BLOCK`]
-//! k steps, chosen in place of f32 when they rebuild every weight bit for bit (weights dequantized from a
-//! GGUF's Q4_0, Q4_1 or Q8_0 blocks do: a quarter of f32's bytes to stream, the same results).
+//! per weight row, or exact blocks: 4- or 8-bit integers with an f16 scale and minimum per row and block of
+//! [`BLOCK`] k steps, chosen in place of f32 when they rebuild every weight bit for bit (weights dequantized
+//! from a GGUF's Q4_0, Q4_1 or Q8_0 blocks do: Q4_1 streams a sixth of f32's bytes, with the same results).
 //! Activations, products and sums are f32 in every format.
 //!
 //! Weights are stored in column panels of [`PANEL`] output columns, each panel k-major (see [`Weights`]), so
@@ -40,9 +40,12 @@ pub enum Weights<'a> {
     Bf16(&'a [u16]),
     /// `w[c, p] = values[(c, p)] * scales[c]`; `scales` padded like the rows.
     Int8 { values: &'a [i8], scales: &'a [f32] },
-    /// `w[c, p] = fma(values[(c, p)], scales[b], mins[b])` for `b = block_param_index(c, p, k)`; exact
-    /// (built by [`pack_blocks`] only when it is).
-    Blocks { values: &'a [i8], scales: &'a [f32], mins: &'a [f32] },
+    /// `w[c, p] = fma(values[(c, p)], scales[b], mins[b])` for `b = block_param_index(c, p, k)`, scales and
+    /// minimums as f16 bit patterns; exact (built by [`pack_blocks`] only when it is).
+    Blocks { values: &'a [i8], scales: &'a [u16], mins: &'a [u16] },
+    /// [`Weights::Blocks`] whose values are 4-bit, two per byte: half a panel's k step is one byte per row
+    /// pair, row `j` in the low nibble and row `j + PANEL / 2` in the high one ([`nibble_index`]).
+    Nibbles { values: &'a [u8], scales: &'a [u16], mins: &'a [u16] },
 }
 
 /// Rows of an `n`-row matrix once padded to whole panels.
@@ -52,6 +55,12 @@ pub fn padded_rows(n: usize) -> usize {
 
 fn panel_index(c: usize, p: usize, k: usize) -> usize {
     (c / PANEL) * PANEL * k + p * PANEL + c % PANEL
+}
+
+/// The byte holding weight `(c, p)` of the nibble layout, and whether it is the high nibble.
+fn nibble_index(c: usize, p: usize, k: usize) -> (usize, bool) {
+    let half = PANEL / 2;
+    ((c / PANEL) * half * k + p * half + c % half, c % PANEL >= half)
 }
 
 /// Where the scale and minimum of weight row `c`'s block holding k step `p` are: panel by panel, block by
@@ -67,6 +76,7 @@ impl Weights<'_> {
             Weights::F32(w) => w.len(),
             Weights::Bf16(w) => w.len(),
             Weights::Int8 { values, .. } | Weights::Blocks { values, .. } => values.len(),
+            Weights::Nibbles { values, .. } => 2 * values.len(),
         }
     }
 
@@ -83,7 +93,13 @@ impl Weights<'_> {
             }
             Weights::Blocks { values, scales, mins } => out.iter_mut().enumerate().for_each(|(p, o)| {
                 let b = block_param_index(r, p, k);
-                *o = (values[at(p)] as f32).mul_add(scales[b], mins[b]);
+                *o = (values[at(p)] as f32).mul_add(f16_to_f32(scales[b]), f16_to_f32(mins[b]));
+            }),
+            Weights::Nibbles { values, scales, mins } => out.iter_mut().enumerate().for_each(|(p, o)| {
+                let (byte, high) = nibble_index(r, p, k);
+                let level = if high { values[byte] >> 4 } else { values[byte] & 0x0F };
+                let b = block_param_index(r, p, k);
+                *o = (level as f32).mul_add(f16_to_f32(scales[b]), f16_to_f32(mins[b]));
             }),
         }
     }
@@ -125,26 +141,85 @@ pub fn pack_int8(data: &[f32], n: usize, k: usize) -> (Vec<i8>, Vec<f32>) {
     (values, scales)
 }
 
-/// The exact blocked form of a row-major `[n, k]` matrix ([`Weights::Blocks`]): packed values, scales and
-/// minimums; None when `k` is not a whole number of blocks or some block has no exact form ([`block_params`]).
-pub fn pack_blocks(data: &[f32], n: usize, k: usize) -> Option<(Vec<i8>, Vec<f32>, Vec<f32>)> {
+/// A matrix in the exact blocked form: its values, and each block's scale and minimum as f16 bit patterns
+/// (padded like the rows).
+#[derive(Debug, Clone)]
+pub struct BlockMatrix {
+    pub values: BlockValues,
+    pub scales: Vec<u16>,
+    pub mins: Vec<u16>,
+}
+
+#[derive(Debug, Clone)]
+pub enum BlockValues {
+    /// 8-bit values, laid out as [`Weights::Blocks`].
+    Bytes(Vec<i8>),
+    /// 4-bit values (every block's in 0..=15), laid out as [`Weights::Nibbles`]: half the bytes.
+    Nibbles(Vec<u8>),
+}
+
+impl BlockMatrix {
+    pub fn weights(&self) -> Weights<'_> {
+        let (scales, mins) = (&self.scales[..], &self.mins[..]);
+        match &self.values {
+            BlockValues::Bytes(values) => Weights::Blocks { values, scales, mins },
+            BlockValues::Nibbles(values) => Weights::Nibbles { values, scales, mins },
+        }
+    }
+}
+
+/// The exact blocked form of a row-major `[n, k]` matrix, with 4-bit values when every block's fit; None when
+/// `k` is not a whole number of blocks or some block has no exact form ([`block_params`]).
+pub fn pack_blocks(data: &[f32], n: usize, k: usize) -> Option<BlockMatrix> {
     assert_eq!(data.len(), n * k, "pack_blocks: a [{n}, {k}] matrix");
     if k == 0 || !k.is_multiple_of(BLOCK) {
         return None;
     }
     let blocks: Vec<BlockParams> = data.par_chunks(BLOCK).map(block_params).collect::<Option<_>>()?;
     let per_row = k / BLOCK;
-    let mut scales = vec![0.0f32; padded_rows(n) * per_row];
-    let mut mins = vec![0.0f32; padded_rows(n) * per_row];
+    let mut scales = vec![0u16; padded_rows(n) * per_row];
+    let mut mins = vec![0u16; padded_rows(n) * per_row];
     for (i, block) in blocks.iter().enumerate() {
         let at = block_param_index(i / per_row, (i % per_row) * BLOCK, k);
-        (scales[at], mins[at]) = (block.scale, block.min);
+        (scales[at], mins[at]) = (f32_to_f16_exact(block.scale), f32_to_f16_exact(block.min));
     }
-    let values = pack(n, k, |c, p| blocks[c * per_row + p / BLOCK].values[p % BLOCK]);
-    Some((values, scales, mins))
+    let level = |c: usize, p: usize| blocks[c * per_row + p / BLOCK].values[p % BLOCK];
+    let values = if blocks.iter().all(|b| b.values.iter().all(|q| (0..=15).contains(q))) {
+        BlockValues::Nibbles(pack_nibbles(n, k, |c, p| if c < n { level(c, p) as u8 } else { 0 }))
+    } else {
+        BlockValues::Bytes(pack(n, k, level))
+    };
+    Some(BlockMatrix { values, scales, mins })
 }
 
-/// One block of [`BLOCK`] weights as `fma(q, scale, min)` with 8-bit q.
+/// 4-bit values `level(row, column)` in the nibble layout; rows past the matrix are asked for too (padding).
+fn pack_nibbles(n: usize, k: usize, level: impl Fn(usize, usize) -> u8 + Sync) -> Vec<u8> {
+    let half = PANEL / 2;
+    let mut out = vec![0u8; padded_rows(n) * k / 2];
+    out.par_chunks_mut(half * k).enumerate().for_each(|(panel, dst)| {
+        for p in 0..k {
+            for j in 0..half {
+                let row = panel * PANEL + j;
+                dst[p * half + j] = level(row, p) | (level(row + half, p) << 4);
+            }
+        }
+    });
+    out
+}
+
+/// `x`'s f16 bit pattern; `x` must be an f16 value ([`block_params`] only makes those).
+fn f32_to_f16_exact(x: f32) -> u16 {
+    let bits = half::f16::from_f32(x).to_bits();
+    debug_assert_eq!(f16_to_f32(bits).to_bits(), x.to_bits(), "{x} is not an f16 value");
+    bits
+}
+
+#[inline(always)]
+pub fn f16_to_f32(bits: u16) -> f32 {
+    half::f16::from_bits(bits).to_f32()
+}
+
+/// One block of [`BLOCK`] weights as `fma(q, scale, min)` with 8-bit q and f16 `scale` and `min`.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct BlockParams {
     pub scale: f32,
@@ -182,8 +257,12 @@ fn f16_grid_near(x: f32) -> impl Iterator<Item = f32> {
     })
 }
 
-/// `block` as `fma(q, scale, min)` with `q` in `lo..=hi`, if that rebuilds it bit for bit.
+/// `block` as `fma(q, scale, min)` with `q` in `lo..=hi`, if that rebuilds it bit for bit and `min` is an f16
+/// value (the scale is one by construction).
 fn exact_block(block: &[f32], scale: f32, min: f32, lo: i32, hi: i32) -> Option<BlockParams> {
+    if half::f16::from_f32(min).to_f32().to_bits() != min.to_bits() {
+        return None;
+    }
     let mut values = [0i8; BLOCK];
     for (q, &w) in values.iter_mut().zip(block) {
         let level = if scale == 0.0 { 0 } else { (((w - min) / scale).round() as i32).clamp(lo, hi) };
@@ -278,7 +357,7 @@ pub fn matmul_with(kernels: Kernels, x: &[f32], w: Weights, out: &mut [f32], m: 
     if let Weights::Int8 { scales, .. } = w {
         assert!(scales.len() >= padded_rows(n), "int8 matmul needs one scale per (padded) weight row");
     }
-    if let Weights::Blocks { scales, mins, .. } = w {
+    if let Weights::Blocks { scales, mins, .. } | Weights::Nibbles { scales, mins, .. } = w {
         assert!(k.is_multiple_of(BLOCK), "a blocked matmul needs whole blocks of {BLOCK} in k = {k}");
         let blocks = padded_rows(n) * (k / BLOCK);
         assert!(scales.len() >= blocks && mins.len() >= blocks, "a blocked matmul needs a scale and a minimum per block");
@@ -505,8 +584,13 @@ mod tests {
                 for kind in ["q4_1", "q4_0", "q8_0"] {
                     let (x, _) = inputs(m, k, n);
                     let w = dequantized(kind, n, k, i as u64 + 1);
-                    let (values, scales, mins) = pack_blocks(&w, n, k).unwrap_or_else(|| panic!("{kind} [{n}, {k}] has blocks"));
-                    let blocks = Weights::Blocks { values: &values, scales: &scales, mins: &mins };
+                    let packed = pack_blocks(&w, n, k).unwrap_or_else(|| panic!("{kind} [{n}, {k}] has blocks"));
+                    let blocks = packed.weights();
+                    match kind {
+                        "q4_1" => assert!(matches!(blocks, Weights::Nibbles { .. }), "4-bit levels take nibbles"),
+                        "q8_0" => assert!(matches!(blocks, Weights::Blocks { .. }), "8-bit levels take bytes"),
+                        _ => {}
+                    }
                     let (mut ours, mut exact) = (vec![f32::NAN; m * n], vec![f32::NAN; m * n]);
                     matmul_with(kernels, &x, blocks, &mut ours, m, k, n);
                     matmul_with(kernels, &x, Weights::F32(&pack_f32(&w, n, k)), &mut exact, m, k, n);
@@ -553,7 +637,9 @@ mod tests {
         for info in gguf.tensor_infos().iter().filter(|t| matches!(t.ggml_type, GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q8_0)) {
             let tensor = gguf.dequantize(&info.name).unwrap();
             let [n, k] = tensor.shape[..] else { panic!("{} is not a matrix", info.name) };
-            assert!(pack_blocks(&tensor.data, n, k).is_some(), "{} ({:?}) keeps no exact blocks", info.name, info.ggml_type);
+            let packed = pack_blocks(&tensor.data, n, k).unwrap_or_else(|| panic!("{} ({:?}) keeps no exact blocks", info.name, info.ggml_type));
+            let nibbles = matches!(packed.values, BlockValues::Nibbles(_));
+            assert_eq!(nibbles, info.ggml_type != GgmlType::Q8_0, "{} ({:?}): nibbles {nibbles}", info.name, info.ggml_type);
             checked += 1;
         }
         assert_eq!(checked, 30 * 7 + 1, "the 7 matrices of 30 layers and the embedding");
@@ -578,7 +664,7 @@ mod tests {
 
     /// Timing, not a check: `cargo test --release -p stepllm-core --lib matmul_speed -- --ignored --nocapture`
     /// (`STEPLLM_SPEED_KERNELS=avx2,avx512` picks kernel sets). Shapes of one SmolLM2-135M layer plus its
-    /// LM head.
+    /// LM head; q4_1 is the exact blocked format of Q4_1 weights (4-bit values).
     #[test]
     #[ignore = "timing"]
     fn matmul_speed() {
@@ -587,15 +673,17 @@ mod tests {
         for kernels in Kernels::supported().into_iter().filter(|k| only.is_empty() || only.split(',').any(|o| o == k.name())) {
             for m in [1, 8, 32, 256] {
                 let mut line = format!("{:>8} m={m:<3}", kernels.name());
-                for format in ["f32", "bf16", "int8"] {
+                for format in ["f32", "bf16", "int8", "q4_1"] {
                     let mut total = 0.0;
                     for (k, n) in shapes {
                         let (x, w) = inputs(m, k, n);
                         let (f32s, bf16s, (values, scales)) = (pack_f32(&w, n, k), pack_bf16(&w, n, k), pack_int8(&w, n, k));
+                        let blocks = pack_blocks(&dequantized("q4_1", n, k, 1), n, k).expect("Q4_1 blocks");
                         let weights = match format {
                             "f32" => Weights::F32(&f32s),
                             "bf16" => Weights::Bf16(&bf16s),
-                            _ => Weights::Int8 { values: &values, scales: &scales },
+                            "int8" => Weights::Int8 { values: &values, scales: &scales },
+                            _ => blocks.weights(),
                         };
                         let mut out = vec![0.0; m * n];
                         let (mut best, started) = (f64::INFINITY, std::time::Instant::now());

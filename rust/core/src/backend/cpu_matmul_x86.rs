@@ -28,7 +28,7 @@ pub unsafe fn panels(_: bool, _: &[f32], _: Weights, _: *mut f32, _: usize, _: u
 mod imp {
     use super::super::cpu_matmul::PANEL;
     use super::super::cpu_matmul::BLOCK;
-    use super::super::cpu_simd::{Avx2, Avx512, Bf16, Blocks, Format, Int8, Isa, F32};
+    use super::super::cpu_simd::{Avx2, Avx512, Bf16, Blocks, Format, Int8, Isa, Nibbles, F32};
     use super::Weights;
     use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
 
@@ -58,11 +58,17 @@ mod imp {
             (true, Weights::Blocks { values, scales, mins }) => {
                 avx512(Blocks { scales: scales.as_ptr(), mins: mins.as_ptr() }, x, values.as_ptr(), out, at)
             }
+            (true, Weights::Nibbles { values, scales, mins }) => {
+                avx512(Nibbles(Blocks { scales: scales.as_ptr(), mins: mins.as_ptr() }), x, values.as_ptr(), out, at)
+            }
             (false, Weights::F32(w)) => avx2(F32, x, w.as_ptr(), out, at),
             (false, Weights::Bf16(w)) => avx2(Bf16, x, w.as_ptr(), out, at),
             (false, Weights::Int8 { values, scales }) => avx2(Int8(scales.as_ptr()), x, values.as_ptr(), out, at),
             (false, Weights::Blocks { values, scales, mins }) => {
                 avx2(Blocks { scales: scales.as_ptr(), mins: mins.as_ptr() }, x, values.as_ptr(), out, at)
+            }
+            (false, Weights::Nibbles { values, scales, mins }) => {
+                avx2(Nibbles(Blocks { scales: scales.as_ptr(), mins: mins.as_ptr() }), x, values.as_ptr(), out, at)
             }
         }
     }
@@ -76,41 +82,100 @@ mod imp {
         c1: usize,
     }
 
-    #[target_feature(enable = "avx2,fma")]
+    #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn avx2<F: Format>(format: F, x: *const f32, w: *const F::Elem, out: *mut f32, at: Geometry) {
         run::<Avx2, F>(format, x, w, out, at)
     }
 
-    #[target_feature(enable = "avx512f,avx2,fma")]
+    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
     unsafe fn avx512<F: Format>(format: F, x: *const f32, w: *const F::Elem, out: *mut f32, at: Geometry) {
         run::<Avx512, F>(format, x, w, out, at)
     }
 
+    /// Row panels of at least this many rows widen each weight panel of a compressed format to f32 once and
+    /// run the f32 tiles over it: decoding the weights again for every tile of rows would cost more than the
+    /// FMAs they feed (prefill). The widened weights are the format's own f32 values, so the results are the
+    /// same.
+    const WIDEN_ROWS: usize = 16;
+
+    thread_local! {
+        /// One weight panel widened to f32 (PANEL x k), per thread.
+        static WIDENED: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+    }
+
     #[inline(always)]
     unsafe fn run<I: Tiling, F: Format>(format: F, x: *const f32, w: *const F::Elem, out: *mut f32, at: Geometry) {
-        let Geometry { m, k, n, c0, c1 } = at;
-        let pass = 2 * I::LANES;
+        let Geometry { m, k, c0, c1, .. } = at;
+        // The buffer stays put while this call runs: nothing else on this thread touches it meanwhile. (Not a
+        // closure around the tiles: a closure would not inherit the kernel's target features.)
+        let widened = if F::WIDEN && m >= WIDEN_ROWS {
+            WIDENED.with_borrow_mut(|widened| {
+                widened.resize(PANEL * k, 0.0);
+                widened.as_mut_ptr()
+            })
+        } else {
+            std::ptr::null_mut()
+        };
         let mut row0 = 0;
         while row0 < m {
             let rows = (m - row0).min(ROW_PANEL);
             let mut c = c0;
             while c < c1 {
-                let panel = w.add(c * k);
-                let mut offset = 0;
-                while offset < PANEL && c + offset < c1 {
-                    let column = c + offset;
-                    let valid = (c1 - column).min(pass);
-                    let mut r = 0;
-                    while r < rows {
-                        let row = row0 + r;
-                        let tile = Tile { format, x: x.add(row * k), w: panel.add(offset), out: out.add(row * n + column), k, n, column, valid };
-                        r += I::tile(&tile, rows - r);
-                    }
-                    offset += pass;
+                let panel = w.add(c / PANEL * F::STEP * k);
+                if !widened.is_null() && rows >= WIDEN_ROWS {
+                    widen_panel::<I, F>(format, panel, c, k, widened);
+                    panel_tiles::<I, F32>(F32, x, widened, out, at, c, row0, rows);
+                } else {
+                    panel_tiles::<I, F>(format, x, panel, out, at, c, row0, rows);
                 }
                 c += PANEL;
             }
             row0 += rows;
+        }
+    }
+
+    /// Output columns `c..c + PANEL` (clipped to `c1`) of x rows `row0..row0 + rows`, from the weight panel at
+    /// `panel`.
+    #[allow(clippy::too_many_arguments)]
+    #[inline(always)]
+    unsafe fn panel_tiles<I: Tiling, F: Format>(
+        format: F,
+        x: *const f32,
+        panel: *const F::Elem,
+        out: *mut f32,
+        at: Geometry,
+        c: usize,
+        row0: usize,
+        rows: usize,
+    ) {
+        let Geometry { k, n, c1, .. } = at;
+        let pass = 2 * I::LANES;
+        let mut offset = 0;
+        while offset < PANEL && c + offset < c1 {
+            let column = c + offset;
+            let valid = (c1 - column).min(pass);
+            let mut r = 0;
+            while r < rows {
+                let row = row0 + r;
+                let (x, out) = (x.add(row * k), out.add(row * n + column));
+                let tile = Tile { format, x, w: panel, offset, out, k, n, column, valid };
+                r += I::tile(&tile, rows - r);
+            }
+            offset += pass;
+        }
+    }
+
+    /// The weight panel at `panel` (output columns `c..c + PANEL`) as f32, k-major like an f32 panel.
+    #[inline(always)]
+    unsafe fn widen_panel<I: Isa, F: Format>(format: F, panel: *const F::Elem, c: usize, k: usize, widened: *mut f32) {
+        for p in 0..k {
+            let step = panel.add(p * F::STEP);
+            let mut offset = 0;
+            while offset < PANEL {
+                let group = format.group::<I>(c + offset, p, k);
+                I::store(widened.add(p * PANEL + offset), F::load::<I>(step.add(F::at(offset)), offset, group));
+                offset += I::LANES;
+            }
         }
     }
 
@@ -158,12 +223,13 @@ mod imp {
         }
     }
 
-    /// x rows from `x` (`k` apart), a pass of 2 vectors of columns starting at `w` inside a panel, output
-    /// rows from `out` (`n` apart); `valid` of the pass's columns exist.
+    /// x rows from `x` (`k` apart), a pass of 2 vectors of columns starting `offset` columns into the panel at
+    /// `w`, output rows from `out` (`n` apart); `valid` of the pass's columns exist.
     struct Tile<F: Format> {
         format: F,
         x: *const f32,
         w: *const F::Elem,
+        offset: usize,
         out: *mut f32,
         k: usize,
         n: usize,
@@ -181,22 +247,32 @@ mod imp {
             (self.format.group::<I>(self.column, p, self.k), self.format.group::<I>(self.column + I::LANES, p, self.k))
         }
 
+        /// The pass's two weight vectors of k step `p`.
+        #[inline(always)]
+        unsafe fn weights<I: Isa>(&self, p: usize, (g0, g1): (F::Group<I>, F::Group<I>)) -> (I::V, I::V) {
+            let step = self.w.add(p * F::STEP);
+            let (c0, c1) = (self.offset, self.offset + I::LANES);
+            (F::load::<I>(step.add(F::at(c0)), c0, g0), F::load::<I>(step.add(F::at(c1)), c1, g1))
+        }
+
         #[inline(always)]
         unsafe fn run<I: Isa, const R: usize, const U: usize>(&self) -> usize {
             let (k, x, w) = (self.k, self.x, self.w);
             let mut acc = [[[I::zero(); U]; 2]; R];
             let unrolled_end = k / U * U;
+            let mut groups = self.groups::<I>(0);
             let mut p = 0;
             while p < unrolled_end {
+                if p % BLOCK == 0 {
+                    groups = self.groups::<I>(p);
+                }
                 // A panel is one stream; prefetching it ahead keeps the loads from waiting on memory when
                 // the tile computes nearly as fast as the weights arrive (batched decode).
-                let ahead = w.wrapping_add((p + PREFETCH_STEPS) * PANEL);
-                _mm_prefetch::<_MM_HINT_T0>(ahead.cast());
-                _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(I::LANES).cast());
-                let (g0, g1) = self.groups::<I>(p);
+                let ahead = w.wrapping_add((p + PREFETCH_STEPS) * F::STEP);
+                _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(F::at(self.offset)).cast());
+                _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(F::at(self.offset + I::LANES)).cast());
                 for u in 0..U {
-                    let wp = w.add((p + u) * PANEL);
-                    let (w0, w1) = (F::load::<I>(wp, g0), F::load::<I>(wp.add(I::LANES), g1));
+                    let (w0, w1) = self.weights::<I>(p + u, groups);
                     for (r, acc_row) in acc.iter_mut().enumerate() {
                         let xv = I::broadcast(x.add(r * k + p + u));
                         acc_row[0][u] = I::fma(xv, w0, acc_row[0][u]);
@@ -206,9 +282,7 @@ mod imp {
                 p += U;
             }
             while p < k {
-                let wp = w.add(p * PANEL);
-                let (g0, g1) = self.groups::<I>(p);
-                let (w0, w1) = (F::load::<I>(wp, g0), F::load::<I>(wp.add(I::LANES), g1));
+                let (w0, w1) = self.weights::<I>(p, self.groups::<I>(p));
                 for (r, acc_row) in acc.iter_mut().enumerate() {
                     let xv = I::broadcast(x.add(r * k + p));
                     acc_row[0][0] = I::fma(xv, w0, acc_row[0][0]);

@@ -18,10 +18,12 @@ pub fn avx512_available() -> bool {
 
 #[cfg(target_arch = "x86_64")]
 mod imp {
+    use super::super::cpu_matmul::PANEL;
     use std::arch::x86_64::*;
 
+    /// AVX2 with FMA and F16C (every AVX2 CPU has the other two; the blocked format's scales are f16).
     pub fn avx2_available() -> bool {
-        is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")
+        is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c")
     }
 
     pub fn avx512_available() -> bool {
@@ -37,6 +39,10 @@ mod imp {
         unsafe fn load(p: *const f32) -> Self::V;
         unsafe fn load_bf16(p: *const u16) -> Self::V;
         unsafe fn load_i8(p: *const i8) -> Self::V;
+        /// `LANES` bytes from `p`, each byte's high nibble when `high`, else its low one.
+        unsafe fn load_u4(p: *const u8, high: bool) -> Self::V;
+        /// `LANES` f16 bit patterns.
+        unsafe fn load_f16(p: *const u16) -> Self::V;
         /// Every lane `*p`.
         unsafe fn broadcast(p: *const f32) -> Self::V;
         unsafe fn store(p: *mut f32, v: Self::V);
@@ -70,6 +76,18 @@ mod imp {
         #[inline(always)]
         unsafe fn load_i8(p: *const i8) -> __m256 {
             _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(p.cast())))
+        }
+
+        #[inline(always)]
+        unsafe fn load_u4(p: *const u8, high: bool) -> __m256 {
+            let bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(p.cast()));
+            let shifted = _mm256_srl_epi32(bytes, _mm_cvtsi32_si128(4 * high as i32));
+            _mm256_cvtepi32_ps(_mm256_and_si256(shifted, _mm256_set1_epi32(0x0F)))
+        }
+
+        #[inline(always)]
+        unsafe fn load_f16(p: *const u16) -> __m256 {
+            _mm256_cvtph_ps(_mm_loadu_si128(p.cast()))
         }
 
         #[inline(always)]
@@ -125,6 +143,18 @@ mod imp {
         }
 
         #[inline(always)]
+        unsafe fn load_u4(p: *const u8, high: bool) -> __m512 {
+            let bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(p.cast()));
+            let shifted = _mm512_srl_epi32(bytes, _mm_cvtsi32_si128(4 * high as i32));
+            _mm512_cvtepi32_ps(_mm512_and_si512(shifted, _mm512_set1_epi32(0x0F)))
+        }
+
+        #[inline(always)]
+        unsafe fn load_f16(p: *const u16) -> __m512 {
+            _mm512_cvtph_ps(_mm256_loadu_si256(p.cast()))
+        }
+
+        #[inline(always)]
         unsafe fn broadcast(p: *const f32) -> __m512 {
             _mm512_set1_ps(*p)
         }
@@ -150,16 +180,27 @@ mod imp {
         }
     }
 
-    /// A stored weight format: how `LANES` consecutive stored weights become f32 lanes, and what happens to
+    /// A stored weight format: how `LANES` stored weights of one k step become f32 lanes, and what happens to
     /// a finished vector of dot products (int8 scales it). A format may share constants over a group of k steps
     /// (a block's scale and minimum): the kernel asks for them once per group and hands them to every load.
     pub trait Format: Copy {
         type Elem: Copy;
         /// What the loads of weight rows `c..c + LANES` need within one group of k steps.
         type Group<I: Isa>: Copy;
+        /// Stored elements per k step of a panel.
+        const STEP: usize = PANEL;
+        /// Whether the kernel may widen a panel to f32 with `load` for many rows at once: `load` gives the
+        /// weights themselves (a format with a `finish` does not).
+        const WIDEN: bool = true;
+        /// Where weight row `c` of a panel (`c % PANEL`) starts within a k step's elements.
+        #[inline(always)]
+        fn at(c: usize) -> usize {
+            c
+        }
         /// The group of weight rows `c..c + LANES` at k step `p` (of `k`).
         unsafe fn group<I: Isa>(self, c: usize, p: usize, k: usize) -> Self::Group<I>;
-        unsafe fn load<I: Isa>(p: *const Self::Elem, group: Self::Group<I>) -> I::V;
+        /// Weight rows `c..c + LANES` (`c` within the panel) of one k step, from `p` = the step + `at(c)`.
+        unsafe fn load<I: Isa>(p: *const Self::Elem, c: usize, group: Self::Group<I>) -> I::V;
         /// The finished dot products of weight rows `c..c + LANES`.
         #[inline(always)]
         unsafe fn finish<I: Isa>(self, _c: usize, v: I::V) -> I::V {
@@ -173,12 +214,13 @@ mod imp {
     impl Format for F32 {
         type Elem = f32;
         type Group<I: Isa> = ();
+        const WIDEN: bool = false; // already f32
 
         #[inline(always)]
         unsafe fn group<I: Isa>(self, _c: usize, _p: usize, _k: usize) {}
 
         #[inline(always)]
-        unsafe fn load<I: Isa>(p: *const f32, _: ()) -> I::V {
+        unsafe fn load<I: Isa>(p: *const f32, _c: usize, _: ()) -> I::V {
             I::load(p)
         }
     }
@@ -194,7 +236,7 @@ mod imp {
         unsafe fn group<I: Isa>(self, _c: usize, _p: usize, _k: usize) {}
 
         #[inline(always)]
-        unsafe fn load<I: Isa>(p: *const u16, _: ()) -> I::V {
+        unsafe fn load<I: Isa>(p: *const u16, _c: usize, _: ()) -> I::V {
             I::load_bf16(p)
         }
     }
@@ -206,12 +248,13 @@ mod imp {
     impl Format for Int8 {
         type Elem = i8;
         type Group<I: Isa> = ();
+        const WIDEN: bool = false;
 
         #[inline(always)]
         unsafe fn group<I: Isa>(self, _c: usize, _p: usize, _k: usize) {}
 
         #[inline(always)]
-        unsafe fn load<I: Isa>(p: *const i8, _: ()) -> I::V {
+        unsafe fn load<I: Isa>(p: *const i8, _c: usize, _: ()) -> I::V {
             I::load_i8(p)
         }
 
@@ -221,13 +264,13 @@ mod imp {
         }
     }
 
-    /// Blocks of `BLOCK` k steps: `w = q * scale + min` with the block's f32 scale and minimum per weight row,
+    /// Blocks of `BLOCK` k steps: `w = q * scale + min` with the block's f16 scale and minimum per weight row,
     /// stored as `cpu_matmul::Weights::Blocks` lays them out. One fused multiply-add gives exactly the f32
     /// weight it stands for (see `cpu_matmul::block_params`).
     #[derive(Clone, Copy)]
     pub struct Blocks {
-        pub scales: *const f32,
-        pub mins: *const f32,
+        pub scales: *const u16,
+        pub mins: *const u16,
     }
 
     impl Format for Blocks {
@@ -237,12 +280,38 @@ mod imp {
         #[inline(always)]
         unsafe fn group<I: Isa>(self, c: usize, p: usize, k: usize) -> (I::V, I::V) {
             let at = super::super::cpu_matmul::block_param_index(c, p, k);
-            (I::load(self.scales.add(at)), I::load(self.mins.add(at)))
+            (I::load_f16(self.scales.add(at)), I::load_f16(self.mins.add(at)))
         }
 
         #[inline(always)]
-        unsafe fn load<I: Isa>(p: *const i8, (scale, min): (I::V, I::V)) -> I::V {
+        unsafe fn load<I: Isa>(p: *const i8, _c: usize, (scale, min): (I::V, I::V)) -> I::V {
             I::fma(I::load_i8(p), scale, min)
+        }
+    }
+
+    /// [`Blocks`] with 4-bit values, two per byte, as `cpu_matmul::Weights::Nibbles` lays them out: byte `j`
+    /// of a k step holds weight rows `j` (low nibble) and `j + PANEL / 2` (high nibble) of the panel.
+    #[derive(Clone, Copy)]
+    pub struct Nibbles(pub Blocks);
+
+    impl Format for Nibbles {
+        type Elem = u8;
+        type Group<I: Isa> = (I::V, I::V);
+        const STEP: usize = PANEL / 2;
+
+        #[inline(always)]
+        fn at(c: usize) -> usize {
+            c % (PANEL / 2)
+        }
+
+        #[inline(always)]
+        unsafe fn group<I: Isa>(self, c: usize, p: usize, k: usize) -> (I::V, I::V) {
+            self.0.group::<I>(c, p, k)
+        }
+
+        #[inline(always)]
+        unsafe fn load<I: Isa>(p: *const u8, c: usize, (scale, min): (I::V, I::V)) -> I::V {
+            I::fma(I::load_u4(p, c >= PANEL / 2), scale, min)
         }
     }
 }
