@@ -92,12 +92,6 @@ mod imp {
         run::<Avx512, F>(format, x, w, out, at)
     }
 
-    /// Row panels of at least this many rows widen each weight panel of a compressed format to f32 once and
-    /// run the f32 tiles over it: decoding the weights again for every tile of rows would cost more than the
-    /// FMAs they feed (prefill). The widened weights are the format's own f32 values, so the results are the
-    /// same.
-    const WIDEN_ROWS: usize = 16;
-
     thread_local! {
         /// One weight panel widened to f32 (PANEL x k), per thread.
         static WIDENED: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
@@ -108,7 +102,10 @@ mod imp {
         let Geometry { m, k, c0, c1, .. } = at;
         // The buffer stays put while this call runs: nothing else on this thread touches it meanwhile. (Not a
         // closure around the tiles: a closure would not inherit the kernel's target features.)
-        let widened = if F::WIDEN && m >= WIDEN_ROWS {
+        // A row panel that takes more than one tile widens each weight panel of a compressed format to f32
+        // once and runs the f32 tiles over it, instead of decoding the weights again for every tile. The widened
+        // weights are the format's own f32 values, so the results are the same.
+        let widened = if F::WIDEN && m > I::MAX_ROWS {
             WIDENED.with_borrow_mut(|widened| {
                 widened.resize(PANEL * k, 0.0);
                 widened.as_mut_ptr()
@@ -122,7 +119,7 @@ mod imp {
             let mut c = c0;
             while c < c1 {
                 let panel = w.add(c / PANEL * F::STEP * k);
-                if !widened.is_null() && rows >= WIDEN_ROWS {
+                if !widened.is_null() && rows > I::MAX_ROWS {
                     widen_panel::<I, F>(format, panel, c, k, widened);
                     panel_tiles::<I, F32>(F32, x, widened, out, at, c, row0, rows);
                 } else {
@@ -168,14 +165,17 @@ mod imp {
     /// The weight panel at `panel` (output columns `c..c + PANEL`) as f32, k-major like an f32 panel.
     #[inline(always)]
     unsafe fn widen_panel<I: Isa, F: Format>(format: F, panel: *const F::Elem, c: usize, k: usize, widened: *mut f32) {
-        for p in 0..k {
-            let step = panel.add(p * F::STEP);
-            let mut offset = 0;
-            while offset < PANEL {
-                let group = format.group::<I>(c + offset, p, k);
+        let mut offset = 0;
+        while offset < PANEL {
+            let mut group = format.group::<I>(c + offset, 0, k);
+            for p in 0..k {
+                if p % BLOCK == 0 {
+                    group = format.group::<I>(c + offset, p, k);
+                }
+                let step = panel.add(p * F::STEP);
                 I::store(widened.add(p * PANEL + offset), F::load::<I>(step.add(F::at(offset)), offset, group));
-                offset += I::LANES;
             }
+            offset += I::LANES;
         }
     }
 
@@ -183,11 +183,15 @@ mod imp {
     /// vectors and a broadcast, and for short tiles several accumulators per output (k unrolled U times)
     /// so enough FMAs are in flight.
     trait Tiling: Isa + Sized {
+        /// The rows of the tallest tile.
+        const MAX_ROWS: usize;
         /// Tiles over the next `rows` (or fewer) x rows; returns how many rows it did.
         unsafe fn tile<F: Format>(t: &Tile<F>, rows: usize) -> usize;
     }
 
     impl Tiling for Avx2 {
+        const MAX_ROWS: usize = 6;
+
         #[inline(always)]
         unsafe fn tile<F: Format>(t: &Tile<F>, rows: usize) -> usize {
             // 16 ymm registers.
@@ -203,6 +207,8 @@ mod imp {
     }
 
     impl Tiling for Avx512 {
+        const MAX_ROWS: usize = 12;
+
         #[inline(always)]
         unsafe fn tile<F: Format>(t: &Tile<F>, rows: usize) -> usize {
             // 32 zmm registers.

@@ -189,9 +189,9 @@ mod imp {
         type Group<I: Isa>: Copy;
         /// Stored elements per k step of a panel.
         const STEP: usize = PANEL;
-        /// Whether the kernel may widen a panel to f32 with `load` for many rows at once: `load` gives the
-        /// weights themselves (a format with a `finish` does not).
-        const WIDEN: bool = true;
+        /// Whether the kernel widens a panel to f32 with `load` once for many rows: for a format whose `load`
+        /// costs several instructions and gives the weights themselves (a format with a `finish` does not).
+        const WIDEN: bool = false;
         /// Where weight row `c` of a panel (`c % PANEL`) starts within a k step's elements.
         #[inline(always)]
         fn at(c: usize) -> usize {
@@ -214,7 +214,6 @@ mod imp {
     impl Format for F32 {
         type Elem = f32;
         type Group<I: Isa> = ();
-        const WIDEN: bool = false; // already f32
 
         #[inline(always)]
         unsafe fn group<I: Isa>(self, _c: usize, _p: usize, _k: usize) {}
@@ -248,7 +247,6 @@ mod imp {
     impl Format for Int8 {
         type Elem = i8;
         type Group<I: Isa> = ();
-        const WIDEN: bool = false;
 
         #[inline(always)]
         unsafe fn group<I: Isa>(self, _c: usize, _p: usize, _k: usize) {}
@@ -276,6 +274,7 @@ mod imp {
     impl Format for Blocks {
         type Elem = i8;
         type Group<I: Isa> = (I::V, I::V);
+        const WIDEN: bool = true;
 
         #[inline(always)]
         unsafe fn group<I: Isa>(self, c: usize, p: usize, k: usize) -> (I::V, I::V) {
@@ -298,6 +297,7 @@ mod imp {
         type Elem = u8;
         type Group<I: Isa> = (I::V, I::V);
         const STEP: usize = PANEL / 2;
+        const WIDEN: bool = true;
 
         #[inline(always)]
         fn at(c: usize) -> usize {
