@@ -100,11 +100,11 @@ mod imp {
     #[inline(always)]
     unsafe fn run<I: Tiling, F: Format>(format: F, x: *const f32, w: *const F::Elem, out: *mut f32, at: Geometry) {
         let Geometry { m, k, c0, c1, .. } = at;
-        // The buffer stays put while this call runs: nothing else on this thread touches it meanwhile. (Not a
-        // closure around the tiles: a closure would not inherit the kernel's target features.)
         // A row panel that takes more than one tile widens each weight panel of a compressed format to f32
         // once and runs the f32 tiles over it, instead of decoding the weights again for every tile. The widened
-        // weights are the format's own f32 values, so the results are the same.
+        // weights are the format's own f32 values, so the results are the same. The buffer stays put while this
+        // call runs, as nothing else on this thread touches it meanwhile; the tiles are not run in a closure
+        // around the borrow because a closure would not inherit the kernel's target features.
         let widened = if F::WIDEN && m > I::MAX_ROWS {
             WIDENED.with_borrow_mut(|widened| {
                 widened.resize(PANEL * k, 0.0);

@@ -1,7 +1,7 @@
 //! x86 SIMD plumbing for the CPU matmul kernels: an instruction-set trait (AVX2/FMA with 8 f32 lanes,
-//! AVX-512 with 16) and a weight-format trait (f32, bf16, int8, and blocks of 8-bit integers with a scale and a
-//! minimum) whose loads widen stored weights to f32 lanes in registers. Kernels written over both traits are compiled once per pair inside a
-//! `#[target_feature]` function and chosen at run time.
+//! AVX-512 with 16) and a weight-format trait (f32, bf16, int8, and blocks of 4- or 8-bit integers with a scale
+//! and a minimum) whose loads widen stored weights to f32 lanes in registers. Kernels written over both traits
+//! are compiled once per pair inside a `#[target_feature]` function and chosen at run time.
 
 #[cfg(target_arch = "x86_64")]
 pub(super) use imp::*;
