@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence, Union
 
@@ -80,7 +81,8 @@ class LLM:
                 stream.cancel()
 
     def _run(self, requests: list[GenerationRequest]) -> list[GenerationResponse]:
-        # Validate every request before queueing any: bad input raises and nothing runs.
+        # Each request is validated as it is queued, so bad input raises. The requests queued before it are
+        # cancelled and drained first: when the call raises, the engine has let every one of them go.
         streams = []
         try:
             for r in requests:
@@ -90,6 +92,9 @@ class LLM:
             for s in streams:
                 if not s.finished:
                     s.cancel()
+            for s in streams:
+                with contextlib.suppress(Exception):  # the first error is the one to raise
+                    s.wait()
             raise
 
     def info(self) -> ModelInfo:
