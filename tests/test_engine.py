@@ -254,9 +254,14 @@ def test_llm_stream_matches_generate() -> None:
 
 def test_llm_stream_closed_early_cancels() -> None:
     with stepllm.LLM(model=model_dir("qwen2"), device="cpu") as llm:
-        it = llm.stream("Hello", greedy(200))
-        next(it)
-        it.close()
+        # close() returns once the engine has let the request go (repeated: the engine thread could otherwise
+        # still hold it now and then)
+        for _ in range(100):
+            it = llm.stream("Hello", greedy(200))
+            next(it)
+            it.close()
+            counts = llm.engine.counts()
+            assert counts["live_slots"] == 0 and counts["leased_blocks"] == 0, counts
         wait_idle(llm.engine)
 
 

@@ -70,7 +70,8 @@ class LLM:
         return self._run([GenerationRequest([dict(m) for m in c], s) for c, s in zip(conversations, params)])
 
     def stream(self, prompt: Prompt | Sequence[Message], sampling_params: SamplingParams | None = None) -> Iterator[str]:
-        """Text chunks as they are generated; closing the iterator early cancels the request."""
+        """Text chunks as they are generated; closing the iterator early cancels the request (and returns once
+        the engine has let it go)."""
         stream = self.engine.submit(GenerationRequest(prompt, sampling_params))
         try:
             for chunk in stream:
@@ -79,6 +80,8 @@ class LLM:
         finally:
             if not stream.finished:
                 stream.cancel()
+                with contextlib.suppress(Exception):
+                    stream.wait()
 
     def _run(self, requests: list[GenerationRequest]) -> list[GenerationResponse]:
         # Each request is validated as it is queued, so bad input raises. The requests queued before it are
