@@ -153,12 +153,16 @@ impl Backend for CpuBackend {
         };
         check_host_len(&host)?;
         let storage = match self.weight_format {
-            // Weights dequantized from a GGUF's 4- or 8-bit blocks keep that form: the same values, a quarter of
-            // the bytes each matmul streams.
-            CpuWeightFormat::F32 => match pack_blocks(&host.data, rows, cols) {
-                Some(blocks) => MatrixStorage::Blocks(blocks),
-                None => MatrixStorage::F32(pack_f32(&host.data, rows, cols)),
-            },
+            // Weights dequantized from a GGUF's 4- or 8-bit blocks keep that form: the same values, a sixth to a
+            // third of the bytes each matmul streams. Not for the portable kernels (no AVX2), which would widen
+            // every panel element by element, slower than streaming f32.
+            CpuWeightFormat::F32 => {
+                let portable = Kernels::detect() == Kernels::Portable;
+                match if portable { None } else { pack_blocks(&host.data, rows, cols) } {
+                    Some(blocks) => MatrixStorage::Blocks(blocks),
+                    None => MatrixStorage::F32(pack_f32(&host.data, rows, cols)),
+                }
+            }
             CpuWeightFormat::Bf16 => MatrixStorage::Bf16(pack_bf16(&host.data, rows, cols)),
             CpuWeightFormat::Int8 => {
                 let (values, scales) = pack_int8(&host.data, rows, cols);
