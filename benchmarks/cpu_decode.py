@@ -100,12 +100,17 @@ def bench_llama_cpp(gguf: Path, new_tokens: int, repeats: int) -> float:
     return max(one([t + r for t in prompts(1)[0]]) for r in range(repeats))
 
 
+def run_peer(python: str, only: str, args: argparse.Namespace, gguf: Path) -> dict:
+    """This script under another interpreter, running one peer alone; its last stdout line is JSON."""
+    cmd = [python, __file__, only, "--batch-sizes", args.batch_sizes, "--new-tokens", str(args.new_tokens),
+           "--repeats", str(args.repeats), "--gguf", str(gguf)]
+    return json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1])
+
+
 def llama_cpp_rate(args: argparse.Namespace, gguf: Path) -> tuple[float | None, str]:
     if not args.llama_cpp_python:
         return None, "not run (pass --llama-cpp-python)"
-    cmd = [args.llama_cpp_python, __file__, "--only-llama-cpp", "--new-tokens", str(args.new_tokens),
-           "--repeats", str(args.repeats), "--gguf", str(gguf)]
-    data = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1])
+    data = run_peer(args.llama_cpp_python, "--only-llama-cpp", args, gguf)
     return data["rate"], data["version"]
 
 
@@ -116,10 +121,7 @@ def peer_rates(args: argparse.Namespace, gguf: Path, sizes: list[int]) -> tuple[
         return bench_transformers(gguf, sizes, args.new_tokens, args.repeats), f"transformers {transformers.__version__}"
     if not args.peer_python:
         return None, "transformers not installed (pass --peer-python)"
-    cmd = [args.peer_python, __file__, "--only-transformers", "--batch-sizes", args.batch_sizes,
-           "--new-tokens", str(args.new_tokens), "--repeats", str(args.repeats), "--gguf", str(gguf)]
-    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1]
-    data = json.loads(out)
+    data = run_peer(args.peer_python, "--only-transformers", args, gguf)
     return {int(k): v for k, v in data["rates"].items()}, data["version"]
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import time
+from contextlib import contextmanager
 from typing import Any, Iterator
 
 import httpx
@@ -242,42 +243,41 @@ def test_api_key_is_required_when_set(engine: stepllm.Engine, server: Background
 # ------------------------------------------------------------------------------------------------ backpressure
 
 
+@contextmanager
+def long_streams(c: httpx.Client, count: int) -> Iterator[None]:
+    """`count` long streamed completions in flight (each answered 200) until the block ends."""
+    streams = [c.stream("POST", "/v1/completions", json=dict(LONG, stream=True)) for _ in range(count)]
+    try:
+        for s in streams:
+            assert s.__enter__().status_code == 200
+        yield
+    finally:
+        for s in streams:
+            s.__exit__(None, None, None)
+
+
 def test_full_waiting_queue_answers_429(server: BackgroundServer, engine: stepllm.Engine) -> None:
     """max_waiting=2 over 4 slots: 6 requests in flight fill it; the 7th gets 429 with Retry-After."""
-    with http(server) as c:
-        streams = [c.stream("POST", "/v1/completions", json=dict(LONG, stream=True)) for _ in range(6)]
-        try:
-            for s in streams:
-                assert s.__enter__().status_code == 200
-            wait_for(lambda: engine.stats()["running"] == 4 and engine.stats()["waiting"] == 2, what="4 running, 2 waiting")
-            r = c.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 1})
-            assert_error_body(r, 429, type="rate_limit_error")
-            assert int(r.headers["retry-after"]) >= 1
-            with pytest.raises(openai.RateLimitError):
-                sync_client(server).chat.completions.create(model="qwen2", messages=[{"role": "user", "content": "hi"}], max_tokens=1)
-            assert metric(metrics_text(server), "stepllm_requests_waiting") == 2
-        finally:
-            for s in streams:
-                s.__exit__(None, None, None)
+    with http(server) as c, long_streams(c, 6):
+        wait_for(lambda: engine.stats()["running"] == 4 and engine.stats()["waiting"] == 2, what="4 running, 2 waiting")
+        r = c.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 1})
+        assert_error_body(r, 429, type="rate_limit_error")
+        assert int(r.headers["retry-after"]) >= 1
+        with pytest.raises(openai.RateLimitError):
+            sync_client(server).chat.completions.create(model="qwen2", messages=[{"role": "user", "content": "hi"}], max_tokens=1)
+        assert metric(metrics_text(server), "stepllm_requests_waiting") == 2
     wait_idle(engine, server, timeout=5)
     assert metric(metrics_text(server), "stepllm_requests_total", endpoint="completions", outcome="overloaded") >= 1
 
 
 def test_a_request_whose_choices_do_not_fit_the_queue_answers_429(server: BackgroundServer, engine: stepllm.Engine) -> None:
     """4 requests in flight leave room for 2 (max_waiting=2 over 4 slots): n = 3 gets 429, n = 2 waits."""
-    with http(server) as c:
-        streams = [c.stream("POST", "/v1/completions", json=dict(LONG, stream=True)) for _ in range(4)]
-        try:
-            for s in streams:
-                assert s.__enter__().status_code == 200
-            wait_for(lambda: engine.stats()["running"] == 4, what="4 running")
-            assert_error_body(c.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 1, "n": 3}), 429, type="rate_limit_error")
-            with c.stream("POST", "/v1/completions", json={"prompt": "Hello", "max_tokens": 1, "n": 2, "stream": True}) as waiting:
-                assert waiting.status_code == 200
-                wait_for(lambda: engine.stats()["waiting"] == 2, what="both choices waiting")
-        finally:
-            for s in streams:
-                s.__exit__(None, None, None)
+    with http(server) as c, long_streams(c, 4):
+        wait_for(lambda: engine.stats()["running"] == 4, what="4 running")
+        assert_error_body(c.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 1, "n": 3}), 429, type="rate_limit_error")
+        with c.stream("POST", "/v1/completions", json={"prompt": "Hello", "max_tokens": 1, "n": 2, "stream": True}) as waiting:
+            assert waiting.status_code == 200
+            wait_for(lambda: engine.stats()["waiting"] == 2, what="both choices waiting")
     wait_idle(engine, server, timeout=5)
 
 

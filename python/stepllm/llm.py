@@ -6,7 +6,7 @@ import contextlib
 import os
 from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence, Union
 
-from ._core import Config, GenerationRequest, GenerationResponse, SamplingParams
+from ._core import Config, GenerationRequest, GenerationResponse, RequestStream, SamplingParams
 from .engine import Engine
 
 if TYPE_CHECKING:
@@ -45,6 +45,16 @@ def _per_prompt(sampling_params: SamplingArg, n: int) -> list[SamplingParams | N
     return params
 
 
+def _cancel_and_drain(streams: Sequence[RequestStream]) -> None:
+    """Cancel the unfinished streams and return once the engine has let every one of them go."""
+    for s in streams:
+        if not s.finished:
+            s.cancel()
+    for s in streams:
+        with contextlib.suppress(Exception):  # an error already being raised is the one that matters
+            s.wait()
+
+
 class LLM:
     """`LLM(model=None, device="auto", **config)`; config keywords are Config's (max_batch_size, kv_cache_tokens,
     block_size, max_model_len, context_cache, parallel). model None means the default model."""
@@ -78,10 +88,7 @@ class LLM:
                 if chunk.text:
                     yield chunk.text
         finally:
-            if not stream.finished:
-                stream.cancel()
-                with contextlib.suppress(Exception):
-                    stream.wait()
+            _cancel_and_drain([stream])
 
     def _run(self, requests: list[GenerationRequest]) -> list[GenerationResponse]:
         # Each request is validated as it is queued, so bad input raises. The requests queued before it are
@@ -92,12 +99,7 @@ class LLM:
                 streams.append(self.engine.submit(r))
             return [s.wait() for s in streams]
         except BaseException:
-            for s in streams:
-                if not s.finished:
-                    s.cancel()
-            for s in streams:
-                with contextlib.suppress(Exception):  # the first error is the one to raise
-                    s.wait()
+            _cancel_and_drain(streams)
             raise
 
     def info(self) -> ModelInfo:

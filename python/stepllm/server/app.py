@@ -207,10 +207,8 @@ async def _generate(request: Request, kind: Kind) -> Response:
         state.authorize(request)
         req: AnyRequest = parse(ChatCompletionRequest if kind == "chat" else CompletionRequest, await read_body(request))
         state.check_model(req.model)
-        prompts = req.prompts() if isinstance(req, CompletionRequest) else [req.conversation()]
-        state.check_capacity(len(prompts) * req.samples)
-        # prompts() refuses echo of token prompts, so with echo every prompt is text
-        echoes = [p for p in prompts if isinstance(p, str)] if isinstance(req, CompletionRequest) and req.echo else []
+        state.check_capacity(req.choice_count())
+        echoes = req.echo_texts() if isinstance(req, CompletionRequest) else []
         handles = state.submit(endpoint, req, arrived)
     except APIError as e:
         state.metrics.refused(endpoint, _refusal_outcome(e.status))

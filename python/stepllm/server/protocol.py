@@ -94,6 +94,13 @@ class _Sampling(_Strict):
         """Choices per prompt (`n`)."""
         return self.n or 1
 
+    def prompt_count(self) -> int:
+        return 1
+
+    def choice_count(self) -> int:
+        """Core requests this request becomes: `n` per prompt."""
+        return self.prompt_count() * self.samples
+
     def sampling_params(self, max_tokens: int | None, sample: int = 0) -> SamplingParams:
         """The core's SamplingParams for the prompt's `sample`-th choice; its own validation errors become 400s.
         With a seed, choice j draws with seed + j, so the choices differ and the whole answer repeats."""
@@ -152,6 +159,13 @@ class CompletionRequest(_Sampling):
             if self.echo and not isinstance(one, str):
                 raise bad_request("echo is supported for text prompts only", param="echo")
         return batch
+
+    def prompt_count(self) -> int:
+        return len(self.prompts())
+
+    def echo_texts(self) -> list[str]:
+        """Each prompt's text when the completions echo their prompts (prompts() refuses echo of token ids), else none."""
+        return [p for p in self.prompts() if isinstance(p, str)] if self.echo else []
 
     def generation_requests(self, max_tokens: int | None) -> list[GenerationRequest]:
         """One request per choice: each prompt's `n` samples, prompt by prompt (choice i is prompt i // n)."""

@@ -157,8 +157,8 @@ impl Backend for CpuBackend {
             // third of the bytes each matmul streams. Not for the portable kernels (no AVX2), which would widen
             // every panel element by element, slower than streaming f32.
             CpuWeightFormat::F32 => {
-                let portable = Kernels::detect() == Kernels::Portable;
-                match if portable { None } else { pack_blocks(&host.data, rows, cols) } {
+                let blocks = (Kernels::detect() != Kernels::Portable).then(|| pack_blocks(&host.data, rows, cols));
+                match blocks.flatten() {
                     Some(blocks) => MatrixStorage::Blocks(blocks),
                     None => MatrixStorage::F32(pack_f32(&host.data, rows, cols)),
                 }

@@ -181,37 +181,37 @@ pub fn pack_blocks(data: &[f32], n: usize, k: usize) -> Option<BlockMatrix> {
     let mut mins = vec![0u16; padded_rows(n) * per_row];
     for (i, block) in blocks.iter().enumerate() {
         let at = block_param_index(i / per_row, (i % per_row) * BLOCK, k);
-        (scales[at], mins[at]) = (f32_to_f16_exact(block.scale), f32_to_f16_exact(block.min));
+        (scales[at], mins[at]) = (block.scale, block.min);
     }
     let level = |c: usize, p: usize| blocks[c * per_row + p / BLOCK].values[p % BLOCK];
     let values = if blocks.iter().all(|b| b.values.iter().all(|q| (0..=15).contains(q))) {
-        BlockValues::Nibbles(pack_nibbles(n, k, |c, p| if c < n { level(c, p) as u8 } else { 0 }))
+        BlockValues::Nibbles(pack_nibbles(n, k, |c, p| level(c, p) as u8))
     } else {
         BlockValues::Bytes(pack(n, k, level))
     };
     Some(BlockMatrix { values, scales, mins })
 }
 
-/// 4-bit values `level(row, column)` in the nibble layout; rows past the matrix are asked for too (padding).
+/// 4-bit values `level(row, column)` in the nibble layout, padding rows 0 (as [`pack`] leaves them).
 fn pack_nibbles(n: usize, k: usize, level: impl Fn(usize, usize) -> u8 + Sync) -> Vec<u8> {
     let half = PANEL / 2;
+    let level_or_pad = |row: usize, p: usize| if row < n { level(row, p) } else { 0 };
     let mut out = vec![0u8; padded_rows(n) * k / 2];
     out.par_chunks_mut(half * k).enumerate().for_each(|(panel, dst)| {
         for p in 0..k {
             for j in 0..half {
                 let row = panel * PANEL + j;
-                dst[p * half + j] = level(row, p) | (level(row + half, p) << 4);
+                dst[p * half + j] = level_or_pad(row, p) | (level_or_pad(row + half, p) << 4);
             }
         }
     });
     out
 }
 
-/// `x`'s f16 bit pattern; `x` must be an f16 value ([`block_params`] only makes those).
-fn f32_to_f16_exact(x: f32) -> u16 {
+/// `x`'s f16 bit pattern when `x` is an f16 value.
+fn f16_bits_of(x: f32) -> Option<u16> {
     let bits = half::f16::from_f32(x).to_bits();
-    debug_assert_eq!(f16_to_f32(bits).to_bits(), x.to_bits(), "{x} is not an f16 value");
-    bits
+    (f16_to_f32(bits).to_bits() == x.to_bits()).then_some(bits)
 }
 
 #[inline(always)]
@@ -219,11 +219,11 @@ pub fn f16_to_f32(bits: u16) -> f32 {
     half::f16::from_bits(bits).to_f32()
 }
 
-/// One block of [`BLOCK`] weights as `fma(q, scale, min)` with 8-bit q and f16 `scale` and `min`.
+/// One block of [`BLOCK`] weights as `fma(q, scale, min)` with 8-bit q; `scale` and `min` are f16 bit patterns.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct BlockParams {
-    pub scale: f32,
-    pub min: f32,
+    pub scale: u16,
+    pub min: u16,
     pub values: [i8; BLOCK],
 }
 
@@ -257,12 +257,10 @@ fn f16_grid_near(x: f32) -> impl Iterator<Item = f32> {
     })
 }
 
-/// `block` as `fma(q, scale, min)` with `q` in `lo..=hi`, if that rebuilds it bit for bit and `min` is an f16
-/// value (the scale is one by construction).
+/// `block` as `fma(q, scale, min)` with `q` in `lo..=hi`, if that rebuilds it bit for bit and `scale` and `min`
+/// are f16 values.
 fn exact_block(block: &[f32], scale: f32, min: f32, lo: i32, hi: i32) -> Option<BlockParams> {
-    if half::f16::from_f32(min).to_f32().to_bits() != min.to_bits() {
-        return None;
-    }
+    let (scale_bits, min_bits) = (f16_bits_of(scale)?, f16_bits_of(min)?);
     let mut values = [0i8; BLOCK];
     for (q, &w) in values.iter_mut().zip(block) {
         let level = if scale == 0.0 { 0 } else { (((w - min) / scale).round() as i32).clamp(lo, hi) };
@@ -271,7 +269,7 @@ fn exact_block(block: &[f32], scale: f32, min: f32, lo: i32, hi: i32) -> Option<
         }
         *q = level as i8;
     }
-    Some(BlockParams { scale, min, values })
+    Some(BlockParams { scale: scale_bits, min: min_bits, values })
 }
 
 #[inline(always)]

@@ -338,9 +338,12 @@ fn bos_template(v: &BpeVocab) -> Result<TemplateProcessing> {
 mod tests {
     use super::*;
 
-    fn fixture_path() -> std::path::PathBuf {
-        Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/llama/tokenizer.json")
+    /// The tokenizer of the test fixture `name` (llama, qwen2, qwen3).
+    fn fixture_tokenizer(name: &str) -> Tokenizer {
+        Tokenizer::from_file(&Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures").join(name).join("tokenizer.json")).unwrap()
     }
+
+    const FIXTURES: [&str; 3] = ["llama", "qwen2", "qwen3"];
 
     fn assert_send_sync<T: Send + Sync>() {}
 
@@ -366,7 +369,7 @@ mod tests {
 
     #[test]
     fn fixture_round_trips_and_knows_its_special_tokens() {
-        let tok = Tokenizer::from_file(&fixture_path()).unwrap();
+        let tok = fixture_tokenizer("llama");
         assert_eq!(tok.vocab_size(), 400);
         let ids = tok.encode("<|im_start|>user\nHello<|im_end|>", false).unwrap();
         assert_eq!(ids[0], 1);
@@ -380,7 +383,7 @@ mod tests {
 
     #[test]
     fn decode_refuses_ids_outside_the_vocabulary() {
-        let tok = Tokenizer::from_file(&fixture_path()).unwrap();
+        let tok = fixture_tokenizer("llama");
         let err = tok.decode(&[3, 400], false).unwrap_err();
         assert!(matches!(&err, Error::InvalidRequest(m) if m.contains("400")), "{err}");
     }
@@ -487,9 +490,8 @@ mod tests {
 
     #[test]
     fn token_bytes_rebuild_the_text_for_every_fixture() {
-        for name in ["llama", "qwen2", "qwen3"] {
-            let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures").join(name).join("tokenizer.json");
-            assert_token_bytes_rebuild_the_text(&Tokenizer::from_file(&path).unwrap(), SAMPLE);
+        for name in FIXTURES {
+            assert_token_bytes_rebuild_the_text(&fixture_tokenizer(name), SAMPLE);
         }
     }
 
@@ -506,9 +508,8 @@ mod tests {
 
     #[test]
     fn byte_table_decodes_like_the_library_for_every_fixture() {
-        for name in ["llama", "qwen2", "qwen3"] {
-            let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures").join(name).join("tokenizer.json");
-            assert_table_decodes_like_the_library(&Tokenizer::from_file(&path).unwrap(), SAMPLE);
+        for name in FIXTURES {
+            assert_table_decodes_like_the_library(&fixture_tokenizer(name), SAMPLE);
         }
     }
 
