@@ -141,6 +141,20 @@ def test_info_describes_the_model() -> None:
     assert "cpu" in fields["device"] and "f32" in fields["device"]
     assert fields["kv_cache_dtype"] == "auto"
     assert int(fields["parameters"]) > 0
+    assert int(fields["weight_bytes"]) >= 4 * int(fields["parameters"]), "f32 safetensors weights take 4 bytes each"
+
+
+def test_info_shows_the_default_model_kept_in_its_gguf_blocks() -> None:
+    default_model_or_skip()
+    out = stepllm_cli("info", "--device", "cpu", "--kv-cache-tokens", "512")
+    assert out.returncode == 0, out.stderr
+    fields = dict(line.split(None, 1) for line in out.stdout.splitlines())
+    parameters, weight_bytes = int(fields["parameters"]), int(fields["weight_bytes"])
+    if "portable kernels" in fields["device"]:
+        assert weight_bytes >= 4 * parameters, "the portable kernels keep f32"
+    else:
+        # Q4_1 matrices as 4-bit levels with f16 constants, the Q8_0 embedding as bytes: under a byte a weight.
+        assert weight_bytes < parameters, f"{weight_bytes} bytes for {parameters} weights: the blocks were not kept"
 
 
 def test_missing_model_is_a_clear_error() -> None:

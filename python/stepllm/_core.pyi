@@ -480,6 +480,8 @@ class ModelInfo(TypedDict):
     source: str
     architecture: str
     parameters: int
+    weight_bytes: int
+    """Bytes the weights take where they are kept (host memory on the CPU, device memory on a GPU)."""
     device: str
     vocab_size: int
     max_model_len: int

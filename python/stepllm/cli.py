@@ -67,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--batch-sizes", default="1,2,4,8", help="comma-separated batch sizes")
     b.set_defaults(func=cmd_bench)
 
-    i = sub.add_parser("info", help="model, architecture, parameters, device, dtype, KV budget")
+    i = sub.add_parser("info", help="model, architecture, parameters, weight memory, device, dtype, KV budget")
     add_model_args(i)
     i.set_defaults(func=cmd_info)
 

@@ -144,6 +144,8 @@ pub struct ModelInfo {
     pub source: String,
     pub architecture: String,
     pub parameters: usize,
+    /// Bytes the weights take where they are kept, all ranks together.
+    pub weight_bytes: usize,
     pub device: String,
     pub vocab_size: usize,
     pub max_model_len: usize,
@@ -190,6 +192,7 @@ impl RuntimeCoordinator {
         let world = runners.len();
         let (stepper_config, mut info, intents) = Self::plan(&model_config, config, &tokenizer, chat_template, source, runners[0].as_ref())?;
         info.parameters = runners.iter().map(|r| r.parameter_count()).sum();
+        info.weight_bytes = runners.iter().map(|r| r.weight_bytes()).sum();
         info.device = format!("{} x{world} (tensor parallel)", info.device);
         let steppers = runners
             .into_iter()
@@ -227,6 +230,7 @@ impl RuntimeCoordinator {
             source,
             architecture: model_config.architecture.hf_name().to_string(),
             parameters: runner.parameter_count(),
+            weight_bytes: runner.weight_bytes(),
             device: runner.device_description(),
             vocab_size: model_config.vocab_size,
             max_model_len,

@@ -18,13 +18,15 @@ fn expected() -> Value {
 fn gguf_every_type_dequantizes_exactly_as_gguf_py() {
     let model = GgufModel::open(fixture("dequant.gguf")).unwrap();
     let tensors = expected()["tensors"].as_object().unwrap().clone();
-    assert_eq!(tensors.len(), 9);
+    assert_eq!(tensors.len(), 15);
     for (name, want) in &tensors {
         let info = model.tensor_info(name).unwrap_or_else(|| panic!("fixture lacks {name}"));
         assert_eq!(info.ggml_type.name(), want["type"].as_str().unwrap(), "{name}");
         let got = model.dequantize(name).unwrap();
         let shape: Vec<usize> = want["shape"].as_array().unwrap().iter().map(|d| d.as_u64().unwrap() as usize).collect();
         assert_eq!(got.shape, shape, "{name} shape");
+        let float = matches!(info.ggml_type, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16);
+        assert_eq!(got.blocks.is_none(), float, "{name}: the quantized types come with their blocks");
         let values: Vec<f32> = want["values"].as_array().unwrap().iter().map(|v| v.as_f64().unwrap() as f32).collect();
         assert_eq!(got.data.len(), values.len(), "{name} length");
         for (i, (g, w)) in got.data.iter().zip(&values).enumerate() {
@@ -91,15 +93,15 @@ fn gguf_default_alignment_is_32() {
 
 #[test]
 fn gguf_unsupported_types_open_but_do_not_dequantize() {
-    // Retag t_q4_0 (18-byte blocks of 32) as IQ4_NL, which has the same block geometry.
+    // Retag t_f32 (4 bytes an element) as I32, which has the same geometry and is no weight type.
     let mut bytes = std::fs::read(fixture("dequant.gguf")).unwrap();
-    let name = b"t_q4_0";
+    let name = b"t_f32";
     let at = bytes.windows(name.len()).position(|w| w == name).unwrap() + name.len();
     let type_at = at + 4 + 2 * 8; // n_dims, then two u64 dims
-    assert_eq!(u32::from_le_bytes(bytes[type_at..type_at + 4].try_into().unwrap()), GgmlType::Q4_0.id());
-    bytes[type_at..type_at + 4].copy_from_slice(&GgmlType::IQ4_NL.id().to_le_bytes());
+    assert_eq!(u32::from_le_bytes(bytes[type_at..type_at + 4].try_into().unwrap()), GgmlType::F32.id());
+    bytes[type_at..type_at + 4].copy_from_slice(&GgmlType::I32.id().to_le_bytes());
     let model = GgufModel::from_bytes(bytes).unwrap();
-    let err = model.dequantize("t_q4_0").unwrap_err().to_string();
-    assert!(err.contains("IQ4_NL") && err.contains("t_q4_0"), "{err}");
+    let err = model.dequantize("t_f32").unwrap_err().to_string();
+    assert!(err.contains("I32") && err.contains("t_f32") && err.contains("IQ4_XS"), "{err}");
     assert!(model.dequantize("t_q4_1").is_ok());
 }

@@ -67,6 +67,11 @@ fn gguf_q_and_k_come_back_in_hugging_face_order() {
         let shape: Vec<usize> = w["shape"].as_array().unwrap().iter().map(|d| d.as_u64().unwrap() as usize).collect();
         assert_eq!(got.shape, shape, "{hf_name}");
         assert_eq!(got.data, floats(&w["values"]), "{hf_name} differs from the original Hugging Face weight");
+        // Layer 1 is stored as Q8_0: its blocks move with the rows.
+        if hf_name.contains("layers.1.") {
+            let blocks = got.blocks.as_ref().unwrap_or_else(|| panic!("{hf_name} keeps its Q8_0 blocks"));
+            assert!(blocks.rebuild(&got.data), "{hf_name}: un-permuted blocks rebuild the un-permuted weights");
+        }
     }
     // The stored (GGUF) layout really is permuted, so the test above is not vacuous.
     let stored = model.dequantize("blk.0.attn_q.weight").unwrap();
@@ -131,12 +136,12 @@ fn gguf_hugging_face_names_map_to_gguf_names() {
 #[test]
 fn gguf_unpermute_by_hand() {
     // One head of 4 rows stored as llama.cpp orders them: [r0, r2, r1, r3] (pairs (0,2) and (1,3) adjacent).
-    let stored = HostTensor { shape: vec![4, 2], data: vec![0., 0.5, 2., 2.5, 1., 1.5, 3., 3.5] };
+    let stored = HostTensor::new(vec![4, 2], vec![0., 0.5, 2., 2.5, 1., 1.5, 3., 3.5]);
     let hf = unpermute_rotary_rows(stored, 1).unwrap();
     assert_eq!(hf.data, vec![0., 0.5, 1., 1.5, 2., 2.5, 3., 3.5]);
     // Two heads, 1-D (a bias): each head un-permuted on its own.
-    let bias = HostTensor { shape: vec![8], data: vec![0., 2., 1., 3., 4., 6., 5., 7.] };
+    let bias = HostTensor::new(vec![8], vec![0., 2., 1., 3., 4., 6., 5., 7.]);
     assert_eq!(unpermute_rotary_rows(bias, 2).unwrap().data, (0..8).map(|x| x as f32).collect::<Vec<_>>());
-    assert!(unpermute_rotary_rows(HostTensor { shape: vec![6, 1], data: vec![0.; 6] }, 2).is_err(), "odd head_dim");
-    assert!(unpermute_rotary_rows(HostTensor { shape: vec![4, 1], data: vec![0.; 4] }, 0).is_err());
+    assert!(unpermute_rotary_rows(HostTensor::new(vec![6, 1], vec![0.; 6]), 2).is_err(), "odd head_dim");
+    assert!(unpermute_rotary_rows(HostTensor::new(vec![4, 1], vec![0.; 4]), 0).is_err());
 }

@@ -75,7 +75,7 @@ impl WeightSource for RandomWeights {
                 if is_norm { 1.0 + 0.2 * unit } else { 0.1 * unit }
             })
             .collect();
-        Ok(HostTensor { shape, data })
+        Ok(HostTensor::new(shape, data))
     }
 
     fn has(&self, name: &str) -> bool {

@@ -103,6 +103,10 @@ impl ModelRunner for NullRunner {
     fn parameter_count(&self) -> usize {
         0
     }
+
+    fn weight_bytes(&self) -> usize {
+        0
+    }
 }
 
 /// The SmolLM2 tokenizer when its GGUF is installed, else the llama fixture's (400 tokens).

@@ -34,6 +34,7 @@ pub fn info_dict<'py>(py: Python<'py>, i: &ModelInfo) -> PyResult<Bound<'py, PyD
     d.set_item("source", &i.source)?;
     d.set_item("architecture", &i.architecture)?;
     d.set_item("parameters", i.parameters)?;
+    d.set_item("weight_bytes", i.weight_bytes)?;
     d.set_item("device", &i.device)?;
     d.set_item("vocab_size", i.vocab_size)?;
     d.set_item("max_model_len", i.max_model_len)?;

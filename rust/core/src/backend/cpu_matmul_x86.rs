@@ -26,9 +26,8 @@ pub unsafe fn panels(_: bool, _: &[f32], _: Weights, _: *mut f32, _: usize, _: u
 
 #[cfg(target_arch = "x86_64")]
 mod imp {
-    use super::super::cpu_matmul::PANEL;
-    use super::super::cpu_matmul::BLOCK;
-    use super::super::cpu_simd::{Avx2, Avx512, Bf16, Blocks, Format, Int8, Isa, Nibbles, F32};
+    use super::super::cpu_matmul::{BlockWeights, Constants, Levels, PANEL};
+    use super::super::cpu_simd::{Avx2, Avx512, Bf16, Blocks, Constant, Format, Int8, Isa, Nibbles, F32};
     use super::Weights;
     use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
 
@@ -51,25 +50,34 @@ mod imp {
         debug_assert!(c0.is_multiple_of(PANEL));
         let at = Geometry { m, k, n, c0, c1 };
         let x = x.as_ptr();
-        match (wide, w) {
-            (true, Weights::F32(w)) => avx512(F32, x, w.as_ptr(), out, at),
-            (true, Weights::Bf16(w)) => avx512(Bf16, x, w.as_ptr(), out, at),
-            (true, Weights::Int8 { values, scales }) => avx512(Int8(scales.as_ptr()), x, values.as_ptr(), out, at),
-            (true, Weights::Blocks { values, scales, mins }) => {
-                avx512(Blocks { scales: scales.as_ptr(), mins: mins.as_ptr() }, x, values.as_ptr(), out, at)
-            }
-            (true, Weights::Nibbles { values, scales, mins }) => {
-                avx512(Nibbles(Blocks { scales: scales.as_ptr(), mins: mins.as_ptr() }), x, values.as_ptr(), out, at)
-            }
-            (false, Weights::F32(w)) => avx2(F32, x, w.as_ptr(), out, at),
-            (false, Weights::Bf16(w)) => avx2(Bf16, x, w.as_ptr(), out, at),
-            (false, Weights::Int8 { values, scales }) => avx2(Int8(scales.as_ptr()), x, values.as_ptr(), out, at),
-            (false, Weights::Blocks { values, scales, mins }) => {
-                avx2(Blocks { scales: scales.as_ptr(), mins: mins.as_ptr() }, x, values.as_ptr(), out, at)
-            }
-            (false, Weights::Nibbles { values, scales, mins }) => {
-                avx2(Nibbles(Blocks { scales: scales.as_ptr(), mins: mins.as_ptr() }), x, values.as_ptr(), out, at)
-            }
+        match w {
+            Weights::F32(w) => run_on(wide, F32, x, w.as_ptr(), out, at),
+            Weights::Bf16(w) => run_on(wide, Bf16, x, w.as_ptr(), out, at),
+            Weights::Int8 { values, scales } => run_on(wide, Int8(scales.as_ptr()), x, values.as_ptr(), out, at),
+            Weights::Blocks(BlockWeights { levels, constants, group }) => match (levels, constants) {
+                (Levels::Bytes(v), Constants::F16 { scales, mins }) => run_on(wide, blocks(scales, mins, group), x, v.as_ptr(), out, at),
+                (Levels::Bytes(v), Constants::F32 { scales, mins }) => run_on(wide, blocks(scales, mins, group), x, v.as_ptr(), out, at),
+                (Levels::Nibbles(v), Constants::F16 { scales, mins }) => {
+                    run_on(wide, Nibbles(blocks(scales, mins, group)), x, v.as_ptr(), out, at)
+                }
+                (Levels::Nibbles(v), Constants::F32 { scales, mins }) => {
+                    run_on(wide, Nibbles(blocks(scales, mins, group)), x, v.as_ptr(), out, at)
+                }
+            },
+        }
+    }
+
+    fn blocks<C: Constant>(scales: &[C], mins: &[C], group: usize) -> Blocks<C> {
+        Blocks { scales: scales.as_ptr(), mins: mins.as_ptr(), group }
+    }
+
+    /// # Safety
+    /// As [`panels`].
+    unsafe fn run_on<F: Format>(wide: bool, format: F, x: *const f32, w: *const F::Elem, out: *mut f32, at: Geometry) {
+        if wide {
+            avx512(format, x, w, out, at)
+        } else {
+            avx2(format, x, w, out, at)
         }
     }
 
@@ -169,7 +177,7 @@ mod imp {
         while offset < PANEL {
             let mut group = format.group::<I>(c + offset, 0, k);
             for p in 0..k {
-                if p % BLOCK == 0 {
+                if format.starts_group(p) {
                     group = format.group::<I>(c + offset, p, k);
                 }
                 let step = panel.add(p * F::STEP);
@@ -243,9 +251,6 @@ mod imp {
         valid: usize,
     }
 
-    /// U k steps starting at a multiple of U never straddle two blocks of a blocked format.
-    const _: () = assert!(BLOCK.is_multiple_of(4));
-
     impl<F: Format> Tile<F> {
         /// The format's constants for both vectors of the pass at k step `p`.
         #[inline(always)]
@@ -269,7 +274,8 @@ mod imp {
             let mut groups = self.groups::<I>(0);
             let mut p = 0;
             while p < unrolled_end {
-                if p % BLOCK == 0 {
+                // U k steps starting at a multiple of U never straddle two groups: groups are multiples of 4.
+                if self.format.starts_group(p) {
                     groups = self.groups::<I>(p);
                 }
                 // A panel is one stream; prefetching it ahead keeps the loads from waiting on memory when

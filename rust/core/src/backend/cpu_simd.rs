@@ -1,6 +1,6 @@
 //! x86 SIMD plumbing for the CPU matmul kernels: an instruction-set trait (AVX2/FMA with 8 f32 lanes,
-//! AVX-512 with 16) and a weight-format trait (f32, bf16, int8, and blocks of 4- or 8-bit integers with a scale
-//! and a minimum) whose loads widen stored weights to f32 lanes in registers. Kernels written over both traits
+//! AVX-512 with 16) and a weight-format trait (f32, bf16, int8, and blocks of 4- or 8-bit integers with an f16
+//! or f32 scale and minimum) whose loads widen stored weights to f32 lanes in registers. Kernels written over both traits
 //! are compiled once per pair inside a `#[target_feature]` function and chosen at run time.
 
 #[cfg(target_arch = "x86_64")]
@@ -197,6 +197,11 @@ mod imp {
         fn at(c: usize) -> usize {
             c
         }
+        /// Whether k step `p` starts a new group (the kernel asks at multiples of 4 only).
+        #[inline(always)]
+        fn starts_group(self, _p: usize) -> bool {
+            false
+        }
         /// The group of weight rows `c..c + LANES` at k step `p` (of `k`).
         unsafe fn group<I: Isa>(self, c: usize, p: usize, k: usize) -> Self::Group<I>;
         /// Weight rows `c..c + LANES` (`c` within the panel) of one k step, from `p` = the step + `at(c)`.
@@ -262,24 +267,50 @@ mod imp {
         }
     }
 
-    /// Blocks of `BLOCK` k steps: `w = q * scale + min` with the block's f16 scale and minimum per weight row,
-    /// stored as `cpu_matmul::Weights::Blocks` lays them out. One fused multiply-add gives exactly the f32
-    /// weight it stands for (see `cpu_matmul::block_params`).
-    #[derive(Clone, Copy)]
-    pub struct Blocks {
-        pub scales: *const u16,
-        pub mins: *const u16,
+    /// A block constant as stored: an f16 bit pattern or an f32.
+    pub trait Constant: Copy {
+        /// `LANES` constants from `p`, as f32.
+        unsafe fn load<I: Isa>(p: *const Self) -> I::V;
     }
 
-    impl Format for Blocks {
+    impl Constant for u16 {
+        #[inline(always)]
+        unsafe fn load<I: Isa>(p: *const u16) -> I::V {
+            I::load_f16(p)
+        }
+    }
+
+    impl Constant for f32 {
+        #[inline(always)]
+        unsafe fn load<I: Isa>(p: *const f32) -> I::V {
+            I::load(p)
+        }
+    }
+
+    /// Groups of `group` k steps (a power of two, a multiple of 4): `w = fma(q, scale, min)` with the group's
+    /// scale and minimum per weight row, stored as `cpu_matmul::BlockWeights` lays them out. One fused
+    /// multiply-add gives exactly the f32 weight it stands for (see `cpu_matmul::pack_blocks`).
+    #[derive(Clone, Copy)]
+    pub struct Blocks<C: Constant> {
+        pub scales: *const C,
+        pub mins: *const C,
+        pub group: usize,
+    }
+
+    impl<C: Constant> Format for Blocks<C> {
         type Elem = i8;
         type Group<I: Isa> = (I::V, I::V);
         const WIDEN: bool = true;
 
         #[inline(always)]
+        fn starts_group(self, p: usize) -> bool {
+            p & (self.group - 1) == 0
+        }
+
+        #[inline(always)]
         unsafe fn group<I: Isa>(self, c: usize, p: usize, k: usize) -> (I::V, I::V) {
-            let at = super::super::cpu_matmul::block_param_index(c, p, k);
-            (I::load_f16(self.scales.add(at)), I::load_f16(self.mins.add(at)))
+            let at = super::super::cpu_matmul::block_param_index(c, p, k, self.group);
+            (C::load::<I>(self.scales.add(at)), C::load::<I>(self.mins.add(at)))
         }
 
         #[inline(always)]
@@ -288,12 +319,12 @@ mod imp {
         }
     }
 
-    /// [`Blocks`] with 4-bit values, two per byte, as `cpu_matmul::Weights::Nibbles` lays them out: byte `j`
+    /// [`Blocks`] with 4-bit values, two per byte, as `cpu_matmul::Levels::Nibbles` lays them out: byte `j`
     /// of a k step holds weight rows `j` (low nibble) and `j + PANEL / 2` (high nibble) of the panel.
     #[derive(Clone, Copy)]
-    pub struct Nibbles(pub Blocks);
+    pub struct Nibbles<C: Constant>(pub Blocks<C>);
 
-    impl Format for Nibbles {
+    impl<C: Constant> Format for Nibbles<C> {
         type Elem = u8;
         type Group<I: Isa> = (I::V, I::V);
         const STEP: usize = PANEL / 2;
@@ -302,6 +333,11 @@ mod imp {
         #[inline(always)]
         fn at(c: usize) -> usize {
             c % (PANEL / 2)
+        }
+
+        #[inline(always)]
+        fn starts_group(self, p: usize) -> bool {
+            self.0.starts_group(p)
         }
 
         #[inline(always)]

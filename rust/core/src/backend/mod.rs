@@ -133,6 +133,8 @@ pub trait Backend: Send + Sized + 'static {
 
     fn upload_matrix(&self, host: HostTensor) -> Result<Self::Matrix>;
     fn upload_vector(&self, host: HostTensor) -> Result<Self::Vector>;
+    /// Bytes a matrix takes where it is kept (host memory or device memory).
+    fn matrix_bytes(&self, matrix: &Self::Matrix) -> usize;
     /// An empty activation tensor; ops size it.
     fn new_tensor(&self) -> Self::Tensor;
     fn allocate_kv_cache(&self, shape: KvCacheShape) -> Result<Self::KvCache>;

@@ -56,6 +56,7 @@ pub struct LlamaModel<B: Backend> {
     layers: Vec<DecoderLayer<B>>,
     final_norm: B::Vector,
     parameter_count: usize,
+    weight_bytes: usize,
     kv_cache: Option<(B::KvCache, KvCacheShape)>,
     batch: B::Batch,
     scratch: Scratch<B>,
@@ -143,7 +144,7 @@ impl<B: Backend> LlamaModel<B> {
 
     fn load_inner(backend: B, config: &ModelConfig, weights: &dyn WeightSource, tp: Option<TensorParallel<B>>) -> Result<Self> {
         config.validate()?;
-        let mut reader = WeightReader { source: weights, backend: &backend, parameters: 0 };
+        let mut reader = WeightReader { source: weights, backend: &backend, parameters: 0, weight_bytes: 0 };
         let (vocab, hidden) = (config.vocab_size, config.hidden_size);
         // transformers ignores a stored lm_head when embeddings are tied; without one, tying is the only option.
         let tied = config.tie_word_embeddings || !weights.has("lm_head.weight");
@@ -151,9 +152,8 @@ impl<B: Backend> LlamaModel<B> {
             // A vocab shard gets one extra zero row: ids owned by other ranks embed to zero before the all-reduce.
             let mut table = reader.read("model.embed_tokens.weight", &[vocab, hidden])?;
             let head = if tied { table.clone() } else { reader.read("lm_head.weight", &[vocab, hidden])? };
-            table.shape[0] += 1;
-            table.data.extend(std::iter::repeat_n(0.0, hidden));
-            (backend.upload_matrix(table)?, Some(backend.upload_matrix(head)?))
+            table.append_zero_row();
+            (reader.upload_matrix(table)?, Some(reader.upload_matrix(head)?))
         } else {
             let embed_tokens = reader.matrix("model.embed_tokens.weight", vocab, hidden)?;
             let lm_head = if tied { None } else { Some(reader.matrix("lm_head.weight", vocab, hidden)?) };
@@ -161,7 +161,7 @@ impl<B: Backend> LlamaModel<B> {
         };
         let layers = (0..config.num_layers).map(|i| reader.decoder_layer(config, i)).collect::<Result<Vec<_>>>()?;
         let final_norm = reader.vector("model.norm.weight", hidden)?;
-        let parameter_count = reader.parameters;
+        let (parameter_count, weight_bytes) = (reader.parameters, reader.weight_bytes);
         let attention = AttentionShape {
             num_heads: config.num_heads,
             num_kv_heads: config.num_kv_heads,
@@ -177,6 +177,7 @@ impl<B: Backend> LlamaModel<B> {
             layers,
             final_norm,
             parameter_count,
+            weight_bytes,
             kv_cache: None,
             batch: backend.new_batch(),
             scratch: Scratch::new(&backend),
@@ -322,6 +323,10 @@ impl<B: Backend> ModelRunner for LlamaModel<B> {
     fn parameter_count(&self) -> usize {
         self.parameter_count
     }
+
+    fn weight_bytes(&self) -> usize {
+        self.weight_bytes
+    }
 }
 
 /// `residual += x · weightᵀ (+ bias)`. Under tensor parallelism `weight` is a row-parallel shard, so the
@@ -349,6 +354,8 @@ struct WeightReader<'a, B: Backend> {
     source: &'a dyn WeightSource,
     backend: &'a B,
     parameters: usize,
+    /// Bytes of what was uploaded (vectors are f32 on every backend).
+    weight_bytes: usize,
 }
 
 impl<B: Backend> WeightReader<'_, B> {
@@ -395,35 +402,40 @@ impl<B: Backend> WeightReader<'_, B> {
 
     fn matrix(&mut self, name: &str, rows: usize, cols: usize) -> Result<B::Matrix> {
         let host = self.read(name, &[rows, cols])?;
-        self.backend.upload_matrix(host)
+        self.upload_matrix(host)
+    }
+
+    fn upload_matrix(&mut self, host: HostTensor) -> Result<B::Matrix> {
+        let matrix = self.backend.upload_matrix(host)?;
+        self.weight_bytes += self.backend.matrix_bytes(&matrix);
+        Ok(matrix)
+    }
+
+    fn upload_vector(&mut self, host: HostTensor) -> Result<B::Vector> {
+        self.weight_bytes += 4 * host.data.len();
+        self.backend.upload_vector(host)
     }
 
     fn vector(&mut self, name: &str, len: usize) -> Result<B::Vector> {
         let host = self.read(name, &[len])?;
-        self.backend.upload_vector(host)
+        self.upload_vector(host)
     }
 
     /// Matrices `(name, rows, cols)` with equal `cols`, stacked row-wise into one.
     fn stacked_matrices(&mut self, parts: &[(String, usize, usize)]) -> Result<B::Matrix> {
-        let cols = parts[0].2;
-        let mut stacked = HostTensor { shape: vec![0, cols], data: Vec::new() };
-        for (name, rows, cols) in parts {
-            let part = self.read(name, &[*rows, *cols])?;
-            stacked.shape[0] += rows;
-            stacked.data.extend_from_slice(&part.data);
-        }
-        self.backend.upload_matrix(stacked)
+        let parts = parts.iter().map(|(name, rows, cols)| self.read(name, &[*rows, *cols])).collect::<Result<Vec<_>>>()?;
+        self.upload_matrix(HostTensor::stack_rows(parts))
     }
 
     /// Vectors `(name, len)` concatenated into one.
     fn stacked_vectors(&mut self, parts: &[(String, usize)]) -> Result<B::Vector> {
-        let mut stacked = HostTensor { shape: vec![0], data: Vec::new() };
+        let mut stacked = HostTensor::new(vec![0], Vec::new());
         for (name, len) in parts {
             let part = self.read(name, &[*len])?;
             stacked.shape[0] += len;
             stacked.data.extend_from_slice(&part.data);
         }
-        self.backend.upload_vector(stacked)
+        self.upload_vector(stacked)
     }
 
     fn read(&mut self, name: &str, expected: &[usize]) -> Result<HostTensor> {

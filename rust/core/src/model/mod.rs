@@ -104,6 +104,8 @@ pub trait ModelRunner: Send {
     /// Human-readable device and dtype, e.g. "cpu (f32)".
     fn device_description(&self) -> String;
     fn parameter_count(&self) -> usize;
+    /// Bytes the weights take where they are kept (host memory on the CPU, device memory on a GPU).
+    fn weight_bytes(&self) -> usize;
     /// Capture CUDA graphs for decode; false where the backend has none (the CPU).
     fn capture_decode_graphs(&mut self, _max_batch_size: usize) -> Result<bool> {
         Ok(false)

@@ -131,14 +131,14 @@ impl WeightSource for ShardedSource<'_> {
             Split::Whole => return Ok(full),
             Split::RankZeroOnly => {
                 let data = if self.layout.rank == 0 { full.data } else { vec![0.0; full.data.len()] };
-                return Ok(HostTensor { shape: full.shape, data });
+                return Ok(HostTensor::new(full.shape, data));
             }
             Split::Rows { start, len } => {
                 if start + len > rows {
                     return load_err(format!("tensor {hf_name:?} has {rows} rows; rank {} needs rows {start}..{}", self.layout.rank, start + len));
                 }
                 let data = full.data[start * cols..(start + len) * cols].to_vec();
-                HostTensor { shape: if vector { vec![len] } else { vec![len, cols] }, data }
+                HostTensor::new(if vector { vec![len] } else { vec![len, cols] }, data)
             }
             Split::Cols { start, len } => {
                 if vector || start + len > cols {
@@ -148,7 +148,7 @@ impl WeightSource for ShardedSource<'_> {
                 for r in 0..rows {
                     data.extend_from_slice(&full.data[r * cols + start..r * cols + start + len]);
                 }
-                HostTensor { shape: vec![rows, len], data }
+                HostTensor::new(vec![rows, len], data)
             }
         };
         Ok(out)

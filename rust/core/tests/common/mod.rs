@@ -71,6 +71,9 @@ impl ModelRunner for Watched {
     fn parameter_count(&self) -> usize {
         self.inner.parameter_count()
     }
+    fn weight_bytes(&self) -> usize {
+        self.inner.weight_bytes()
+    }
     fn last_step_timing(&self) -> StepTiming {
         self.claimed.unwrap_or_else(|| self.inner.last_step_timing())
     }

@@ -624,6 +624,10 @@ impl Backend for CudaBackend {
         Ok(CudaMatrix { buf, rows, cols })
     }
 
+    fn matrix_bytes(&self, matrix: &CudaMatrix) -> usize {
+        matrix.buf.bytes()
+    }
+
     fn upload_vector(&self, host: HostTensor) -> Result<CudaVector> {
         let buf = self.inner.gpu.alloc(host.data.len() * 4)?;
         self.inner.gpu.upload(buf.ptr(), &host.data)?;

@@ -323,6 +323,10 @@ impl ModelRunner for CudaRunner {
         self.model.parameter_count()
     }
 
+    fn weight_bytes(&self) -> usize {
+        self.model.weight_bytes()
+    }
+
     fn capture_decode_graphs(&mut self, max_batch_size: usize) -> Result<bool> {
         if self.kv.is_none() {
             return protocol("allocate_kv_cache must be called before capture_decode_graphs");

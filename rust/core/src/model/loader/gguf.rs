@@ -234,13 +234,13 @@ impl GgufModel {
         Ok(&self.bytes.as_slice()[start..start + info.n_bytes as usize])
     }
 
-    /// A tensor by its GGUF name, dequantized to f32 in HF shape (dims reversed), with no renaming or
-    /// un-permuting.
+    /// A tensor by its GGUF name, dequantized to f32 in HF shape (dims reversed), with the blocks it was
+    /// stored in when quantized; no renaming or un-permuting.
     pub fn dequantize(&self, gguf_name: &str) -> Result<HostTensor> {
         let info = self.require_tensor(gguf_name)?;
-        let data = gguf_quant::dequantize(info.ggml_type, self.tensor_data(gguf_name)?, info.n_elements as usize)
+        let (data, blocks) = gguf_quant::dequantize(info.ggml_type, self.tensor_data(gguf_name)?, info.n_elements as usize)
             .map_err(|e| with_context(e, &format!("tensor {gguf_name:?} in {}", self.source)))?;
-        Ok(HostTensor { shape: info.hf_shape(), data })
+        Ok(HostTensor { shape: info.hf_shape(), data, blocks })
     }
 
     fn require_tensor(&self, gguf_name: &str) -> Result<&GgufTensorInfo> {
@@ -503,18 +503,15 @@ pub fn unpermute_rotary_rows(tensor: HostTensor, n_heads: usize) -> Result<HostT
     if n_heads == 0 || !rows.is_multiple_of(n_heads) || !(rows / n_heads).is_multiple_of(2) {
         return load_err(format!("cannot un-permute {rows} rows over {n_heads} heads: need an even number of rows per head"));
     }
-    let cols = tensor.data.len() / rows.max(1);
     let half = rows / n_heads / 2;
-    let mut data = vec![0f32; tensor.data.len()];
+    let mut order = vec![0; rows];
     for head in 0..n_heads {
         let base = head * 2 * half;
         for i in 0..half {
-            for (hf_row, stored_row) in [(base + i, base + 2 * i), (base + half + i, base + 2 * i + 1)] {
-                data[hf_row * cols..(hf_row + 1) * cols].copy_from_slice(&tensor.data[stored_row * cols..(stored_row + 1) * cols]);
-            }
+            (order[base + i], order[base + half + i]) = (base + 2 * i, base + 2 * i + 1);
         }
     }
-    Ok(HostTensor { shape: tensor.shape, data })
+    Ok(tensor.with_rows(&order))
 }
 
 fn with_context(e: Error, context: &str) -> Error {

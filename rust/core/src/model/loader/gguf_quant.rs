@@ -1,9 +1,10 @@
-//! ggml tensor types and their dequantization to f32.
+//! ggml tensor types and their dequantization to f32, through the integer levels, scales and minimums of their
+//! blocks ([`HostBlocks`]).
 //!
-//! Block layouts and arithmetic follow ggml's reference `dequantize_row_*` (ggml-quants.c): the same
-//! products in the same order, so results are bit-identical to llama.cpp's and gguf-py's. All multi-byte
-//! fields are little-endian.
+//! Block layouts and arithmetic follow ggml's reference `dequantize_row_*` (ggml-quants.c), so results are
+//! bit-identical to llama.cpp's and gguf-py's. All multi-byte fields are little-endian.
 
+use super::HostBlocks;
 use crate::error::{load_err, Result};
 use half::f16;
 use rayon::prelude::*;
@@ -116,7 +117,7 @@ impl GgmlType {
     /// Whether `dequantize` handles this type.
     pub fn can_dequantize(self) -> bool {
         use GgmlType::*;
-        matches!(self, F32 | F16 | BF16 | Q8_0 | Q4_0 | Q4_1 | Q4_K | Q5_K | Q6_K)
+        matches!(self, F32 | F16 | BF16) || self.quantized().is_some()
     }
 
     /// Bytes taken by `n_elements` elements, or None when that is not a whole number of blocks or overflows.
@@ -127,101 +128,216 @@ impl GgmlType {
         }
         (n_elements / block).checked_mul(self.type_size() as u64)
     }
-}
 
-/// Dequantize `n_elements` values of type `ty` from `data` (exactly their bytes) to f32, in storage order.
-pub fn dequantize(ty: GgmlType, data: &[u8], n_elements: usize) -> Result<Vec<f32>> {
-    match ty {
-        GgmlType::F32 => run_blocks(ty, data, n_elements, block_f32),
-        GgmlType::F16 => run_blocks(ty, data, n_elements, block_f16),
-        GgmlType::BF16 => run_blocks(ty, data, n_elements, block_bf16),
-        GgmlType::Q8_0 => run_blocks(ty, data, n_elements, block_q8_0),
-        GgmlType::Q4_0 => run_blocks(ty, data, n_elements, block_q4_0),
-        GgmlType::Q4_1 => run_blocks(ty, data, n_elements, block_q4_1),
-        GgmlType::Q4_K => run_blocks(ty, data, n_elements, block_q4_k),
-        GgmlType::Q5_K => run_blocks(ty, data, n_elements, block_q5_k),
-        GgmlType::Q6_K => run_blocks(ty, data, n_elements, block_q6_k),
-        other => load_err(format!(
-            "cannot dequantize ggml type {}: stepllm reads F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q5_K and Q6_K",
-            other.name()
-        )),
+    /// How a quantized type we read decodes: elements per scale and minimum, and the block decoder.
+    fn quantized(self) -> Option<(usize, DecodeBlock)> {
+        use GgmlType::*;
+        Some(match self {
+            Q8_0 => (32, block_q8_0),
+            Q4_0 => (32, block_q4_0),
+            Q4_1 => (32, block_q4_1),
+            Q5_0 => (32, block_q5_0),
+            Q5_1 => (32, block_q5_1),
+            Q2_K => (16, block_q2_k),
+            Q3_K => (16, block_q3_k),
+            Q4_K => (32, block_q4_k),
+            Q5_K => (32, block_q5_k),
+            Q6_K => (16, block_q6_k),
+            IQ4_NL => (32, block_iq4_nl),
+            IQ4_XS => (32, block_iq4_xs),
+            _ => return None,
+        })
     }
 }
 
-/// Apply a per-block decoder over all blocks, in parallel over large chunks. Generic (not a fn pointer)
-/// so each decoder is inlined into its loop.
-fn run_blocks<F>(ty: GgmlType, data: &[u8], n_elements: usize, decode_block: F) -> Result<Vec<f32>>
-where
-    F: Fn(&[u8], &mut [f32]) + Sync,
-{
-    let (block_size, type_size) = (ty.block_size(), ty.type_size());
+/// A block decoder: one block's bytes to its integer levels and, per group of elements, a scale and a minimum
+/// (see [`HostBlocks`]).
+type DecodeBlock = fn(&[u8], &mut [i8], &mut [f32], &mut [f32]);
+
+/// Dequantize `n_elements` values of type `ty` from `data` (exactly their bytes) to f32, in storage order; for a
+/// quantized type also the integer levels, scales and minimums they are made of.
+pub fn dequantize(ty: GgmlType, data: &[u8], n_elements: usize) -> Result<(Vec<f32>, Option<HostBlocks>)> {
+    let float = |decode: fn(&[u8]) -> f32| -> Result<(Vec<f32>, Option<HostBlocks>)> {
+        check_size(ty, data, n_elements)?;
+        Ok((data.par_chunks_exact(ty.type_size()).map(decode).collect(), None))
+    };
+    match ty {
+        GgmlType::F32 => float(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])),
+        GgmlType::F16 => float(|b| f16_at(b, 0)),
+        // bf16 is the top half of an f32; shifting (not a library conversion) keeps NaN payloads as ggml does.
+        GgmlType::BF16 => float(|b| f32::from_bits((u16::from_le_bytes([b[0], b[1]]) as u32) << 16)),
+        _ => match ty.quantized() {
+            Some((group, decode)) => {
+                let (values, blocks) = decode_blocks(ty, data, n_elements, group, decode)?;
+                Ok((values, Some(blocks)))
+            }
+            None => load_err(format!(
+                "cannot dequantize ggml type {}: stepllm reads F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, \
+                 Q4_K, Q5_K, Q6_K, IQ4_NL and IQ4_XS",
+                ty.name()
+            )),
+        },
+    }
+}
+
+fn check_size(ty: GgmlType, data: &[u8], n_elements: usize) -> Result<()> {
+    let block_size = ty.block_size();
     if !n_elements.is_multiple_of(block_size) {
         return load_err(format!("{n_elements} elements are not a whole number of {} blocks of {block_size}", ty.name()));
     }
-    let n_blocks = n_elements / block_size;
-    if data.len() != n_blocks * type_size {
+    let needed = n_elements / block_size * ty.type_size();
+    if data.len() != needed {
         return load_err(format!(
-            "{} tensor of {n_elements} elements needs {} bytes, got {}",
+            "{} tensor of {n_elements} elements needs {needed} bytes, got {}",
             ty.name(),
-            n_blocks * type_size,
             data.len()
         ));
     }
-    let mut out = vec![0f32; n_elements];
+    Ok(())
+}
+
+/// Run a block decoder over all blocks, in parallel over large chunks; returns the f32 values and the blocks.
+fn decode_blocks(
+    ty: GgmlType,
+    data: &[u8],
+    n_elements: usize,
+    group: usize,
+    decode: DecodeBlock,
+) -> Result<(Vec<f32>, HostBlocks)> {
+    check_size(ty, data, n_elements)?;
+    let (block_size, type_size) = (ty.block_size(), ty.type_size());
+    let mut values = vec![0.0; n_elements];
+    let mut blocks = HostBlocks {
+        group,
+        levels: vec![0; n_elements],
+        scales: vec![0.0; n_elements / group],
+        mins: vec![0.0; n_elements / group],
+    };
     let blocks_per_task = (ELEMENTS_PER_TASK / block_size).max(1);
-    out.par_chunks_mut(blocks_per_task * block_size)
+    let groups_per_block = block_size / group;
+    values
+        .par_chunks_mut(blocks_per_task * block_size)
+        .zip(blocks.levels.par_chunks_mut(blocks_per_task * block_size))
+        .zip(blocks.scales.par_chunks_mut(blocks_per_task * groups_per_block))
+        .zip(blocks.mins.par_chunks_mut(blocks_per_task * groups_per_block))
         .zip(data.par_chunks(blocks_per_task * type_size))
-        .for_each(|(out_chunk, data_chunk)| {
-            for (out_block, in_block) in out_chunk.chunks_exact_mut(block_size).zip(data_chunk.chunks_exact(type_size)) {
-                decode_block(in_block, out_block);
+        .for_each(|((((values, levels), scales), mins), bytes)| {
+            let each = levels
+                .chunks_exact_mut(block_size)
+                .zip(scales.chunks_exact_mut(groups_per_block))
+                .zip(mins.chunks_exact_mut(groups_per_block))
+                .zip(bytes.chunks_exact(type_size));
+            for (((levels, scales), mins), bytes) in each {
+                decode(bytes, levels, scales, mins);
+            }
+            let groups =
+                values.chunks_exact_mut(group).zip(levels.chunks_exact(group)).zip(scales.iter().zip(mins.iter()));
+            for ((values, levels), (&scale, &min)) in groups {
+                values.iter_mut().zip(levels).for_each(|(v, &q)| *v = (q as f32).mul_add(scale, min));
             }
         });
-    Ok(out)
+    Ok((values, blocks))
 }
 
 fn f16_at(bytes: &[u8], at: usize) -> f32 {
     f16::from_bits(u16::from_le_bytes([bytes[at], bytes[at + 1]])).to_f32()
 }
 
-fn block_f32(b: &[u8], out: &mut [f32]) {
-    out[0] = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
-}
-
-fn block_f16(b: &[u8], out: &mut [f32]) {
-    out[0] = f16_at(b, 0);
-}
-
-/// bf16 is the top half of an f32; shifting (not a library conversion) keeps NaN payloads as ggml does.
-fn block_bf16(b: &[u8], out: &mut [f32]) {
-    out[0] = f32::from_bits((u16::from_le_bytes([b[0], b[1]]) as u32) << 16);
-}
+// The decoders below follow ggml's reference `dequantize_row_*`, which computes each element as an integer level
+// times a scale, minus a minimum or not. The scale is an f16 value, or one times a small integer, so the product
+// with the level is exact in f32 (at most 24 significant bits), and `fma(level, scale, min)` rounds once, as
+// ggml's expression does. Where ggml subtracts no minimum, the minimum is -0.0: `fma(q, d, -0.0)` is `q * d`
+// exactly, the sign of a zero product included.
 
 /// Q8_0: f16 scale d, 32 signed bytes; x = q * d.
-fn block_q8_0(b: &[u8], out: &mut [f32]) {
-    let d = f16_at(b, 0);
-    for (o, &q) in out.iter_mut().zip(&b[2..34]) {
-        *o = (q as i8) as f32 * d;
+fn block_q8_0(b: &[u8], levels: &mut [i8], scales: &mut [f32], mins: &mut [f32]) {
+    (scales[0], mins[0]) = (f16_at(b, 0), -0.0);
+    levels.iter_mut().zip(&b[2..34]).for_each(|(l, &q)| *l = q as i8);
+}
+
+/// 4-bit values: byte j holds element j in its low nibble and element j + 16 in its high one.
+fn nibbles(qs: &[u8], levels: &mut [i8], offset: i8) {
+    for (j, &q) in qs[..16].iter().enumerate() {
+        levels[j] = (q & 0x0F) as i8 - offset;
+        levels[j + 16] = (q >> 4) as i8 - offset;
     }
 }
 
-/// Q4_0: f16 scale d, 16 bytes of nibbles; low nibbles are elements 0..16, high nibbles 16..32;
-/// x = (q - 8) * d.
-fn block_q4_0(b: &[u8], out: &mut [f32]) {
-    let d = f16_at(b, 0);
-    let (low, high) = out.split_at_mut(16);
-    for (j, &q) in b[2..18].iter().enumerate() {
-        low[j] = ((q & 0x0F) as i32 - 8) as f32 * d;
-        high[j] = ((q >> 4) as i32 - 8) as f32 * d;
+/// Q4_0: f16 scale d, 16 bytes of nibbles; x = (q - 8) * d.
+fn block_q4_0(b: &[u8], levels: &mut [i8], scales: &mut [f32], mins: &mut [f32]) {
+    (scales[0], mins[0]) = (f16_at(b, 0), -0.0);
+    nibbles(&b[2..18], levels, 8);
+}
+
+/// Q4_1: f16 scale d, f16 minimum m, 16 bytes of nibbles; x = q * d + m.
+fn block_q4_1(b: &[u8], levels: &mut [i8], scales: &mut [f32], mins: &mut [f32]) {
+    (scales[0], mins[0]) = (f16_at(b, 0), f16_at(b, 2));
+    nibbles(&b[4..20], levels, 0);
+}
+
+/// Nibbles as [`nibbles`] plus a fifth bit: bit j of the little-endian u32 `qh` for element j (0..32).
+fn five_bits(qh: &[u8], qs: &[u8], levels: &mut [i8], offset: i8) {
+    let high = u32::from_le_bytes([qh[0], qh[1], qh[2], qh[3]]);
+    nibbles(qs, levels, 0);
+    for (j, l) in levels[..32].iter_mut().enumerate() {
+        *l = (*l | (((high >> j) & 1) << 4) as i8) - offset;
     }
 }
 
-/// Q4_1: f16 scale d, f16 minimum m, 16 bytes of nibbles (layout as Q4_0); x = q * d + m.
-fn block_q4_1(b: &[u8], out: &mut [f32]) {
-    let (d, m) = (f16_at(b, 0), f16_at(b, 2));
-    let (low, high) = out.split_at_mut(16);
-    for (j, &q) in b[4..20].iter().enumerate() {
-        low[j] = (q & 0x0F) as f32 * d + m;
-        high[j] = (q >> 4) as f32 * d + m;
+/// Q5_0: f16 scale d, 4 bytes of fifth bits, 16 bytes of nibbles; x = (q - 16) * d.
+fn block_q5_0(b: &[u8], levels: &mut [i8], scales: &mut [f32], mins: &mut [f32]) {
+    (scales[0], mins[0]) = (f16_at(b, 0), -0.0);
+    five_bits(&b[2..6], &b[6..22], levels, 16);
+}
+
+/// Q5_1: f16 scale d, f16 minimum m, 4 bytes of fifth bits, 16 bytes of nibbles; x = q * d + m.
+fn block_q5_1(b: &[u8], levels: &mut [i8], scales: &mut [f32], mins: &mut [f32]) {
+    (scales[0], mins[0]) = (f16_at(b, 0), f16_at(b, 2));
+    five_bits(&b[4..8], &b[8..24], levels, 0);
+}
+
+/// The 2-bit field of a K-quant super-block's element `e` (0..256) from 64 bytes `qs`: each 128-element half
+/// reads 32 bytes, and its four runs of 32 elements take bit pairs 0-1, 2-3, 4-5, 6-7 of those bytes in turn.
+fn two_bits(qs: &[u8], e: usize) -> u8 {
+    let (half, run, l) = (e / 128, e % 128 / 32, e % 32);
+    (qs[32 * half + l] >> (2 * run)) & 3
+}
+
+/// Q2_K super-block: 16 scale bytes (low nibble the scale, high nibble the minimum of each group of 16), 64 bytes
+/// of 2-bit values, f16 d and dmin; x = d*scale*q - dmin*min.
+fn block_q2_k(b: &[u8], levels: &mut [i8], scales: &mut [f32], mins: &mut [f32]) {
+    let (d, dmin) = (f16_at(b, 80), f16_at(b, 82));
+    for g in 0..QK_K / 16 {
+        scales[g] = d * (b[g] & 0x0F) as f32;
+        mins[g] = -(dmin * (b[g] >> 4) as f32);
+    }
+    levels.iter_mut().enumerate().for_each(|(e, l)| *l = two_bits(&b[16..80], e) as i8);
+}
+
+/// Q3_K's signed 6-bit scale of group `g` (0..16) from its 12 packed scale bytes: groups 0-3 and 4-7 take the
+/// low nibbles of bytes 0-3 and 4-7, groups 8-11 and 12-15 their high nibbles, and each its top two bits from
+/// bytes 8-11 (bit pair g / 4 of byte 8 + g % 4).
+fn q3_k_scale(packed: &[u8], g: usize) -> i8 {
+    let (row, j) = (g / 4, g % 4);
+    let byte = packed[j + 4 * (row % 2)];
+    let low = if row < 2 { byte & 0x0F } else { byte >> 4 };
+    let high = (packed[8 + j] >> (2 * row)) & 3;
+    (low | (high << 4)) as i8 - 32
+}
+
+/// Q3_K super-block: 32 bytes of high bits, 64 bytes of 2-bit values, 12 bytes of 6-bit scales, f16 d. Run r
+/// (0..8, 32 elements) takes bit r of the high-bit byte at its element's position in the run; a clear bit
+/// subtracts 4. x = d*scale*q.
+fn block_q3_k(b: &[u8], levels: &mut [i8], scales: &mut [f32], mins: &mut [f32]) {
+    let d = f16_at(b, 108);
+    for g in 0..QK_K / 16 {
+        scales[g] = d * q3_k_scale(&b[96..108], g) as f32;
+        mins[g] = -0.0;
+    }
+    let (hmask, qs) = (&b[0..32], &b[32..96]);
+    for (e, l) in levels.iter_mut().enumerate() {
+        let high_bit_set = (hmask[e % 32] >> (e / 32)) & 1 == 1;
+        *l = two_bits(qs, e) as i8 - if high_bit_set { 0 } else { 4 };
     }
 }
 
@@ -238,72 +354,91 @@ fn k_scale_min(scales: &[u8], j: usize) -> (u8, u8) {
     }
 }
 
-/// Q4_K super-block: f16 d, f16 dmin, 12 scale bytes, 128 bytes of nibbles. Eight sub-blocks of 32;
-/// each 32-byte run of nibbles feeds two sub-blocks (low nibbles, then high); x = d*scale*q - dmin*min.
-fn block_q4_k(b: &[u8], out: &mut [f32]) {
+/// Q4_K/Q5_K's eight sub-block constants: d*scale and -(dmin*min).
+fn k_constants(b: &[u8], scales: &mut [f32], mins: &mut [f32]) {
     let (d, dmin) = (f16_at(b, 0), f16_at(b, 2));
-    let scales = &b[4..16];
-    let qs = &b[16..144];
-    for pair in 0..QK_K / 64 {
-        let q = &qs[32 * pair..32 * pair + 32];
-        let (sc_lo, m_lo) = k_scale_min(scales, 2 * pair);
-        let (sc_hi, m_hi) = k_scale_min(scales, 2 * pair + 1);
-        let (d_lo, min_lo) = (d * sc_lo as f32, dmin * m_lo as f32);
-        let (d_hi, min_hi) = (d * sc_hi as f32, dmin * m_hi as f32);
-        let y = &mut out[64 * pair..64 * pair + 64];
-        for l in 0..32 {
-            y[l] = d_lo * (q[l] & 0x0F) as f32 - min_lo;
-            y[l + 32] = d_hi * (q[l] >> 4) as f32 - min_hi;
-        }
+    for j in 0..QK_K / 32 {
+        let (scale, min) = k_scale_min(&b[4..16], j);
+        scales[j] = d * scale as f32;
+        mins[j] = -(dmin * min as f32);
     }
+}
+
+/// The 4-bit field of a Q4_K/Q5_K super-block's element `e`: each 32-byte run of `qs` feeds two sub-blocks of 32,
+/// low nibbles then high.
+fn k_nibble(qs: &[u8], e: usize) -> u8 {
+    let byte = qs[32 * (e / 64) + e % 32];
+    if e % 64 < 32 {
+        byte & 0x0F
+    } else {
+        byte >> 4
+    }
+}
+
+/// Q4_K super-block: f16 d, f16 dmin, 12 scale bytes, 128 bytes of nibbles; eight sub-blocks of 32;
+/// x = d*scale*q - dmin*min.
+fn block_q4_k(b: &[u8], levels: &mut [i8], scales: &mut [f32], mins: &mut [f32]) {
+    k_constants(b, scales, mins);
+    levels.iter_mut().enumerate().for_each(|(e, l)| *l = k_nibble(&b[16..144], e) as i8);
 }
 
 /// Q5_K super-block: as Q4_K plus 32 bytes `qh` whose bit j of byte l is the fifth bit of element l of
 /// sub-block j.
-fn block_q5_k(b: &[u8], out: &mut [f32]) {
-    let (d, dmin) = (f16_at(b, 0), f16_at(b, 2));
-    let scales = &b[4..16];
-    let qh = &b[16..48];
-    let qs = &b[48..176];
-    for pair in 0..QK_K / 64 {
-        let q = &qs[32 * pair..32 * pair + 32];
-        let (bit_lo, bit_hi) = (2 * pair, 2 * pair + 1);
-        let (sc_lo, m_lo) = k_scale_min(scales, bit_lo);
-        let (sc_hi, m_hi) = k_scale_min(scales, bit_hi);
-        let (d_lo, min_lo) = (d * sc_lo as f32, dmin * m_lo as f32);
-        let (d_hi, min_hi) = (d * sc_hi as f32, dmin * m_hi as f32);
-        let y = &mut out[64 * pair..64 * pair + 64];
-        for l in 0..32 {
-            let q_lo = (q[l] & 0x0F) | (((qh[l] >> bit_lo) & 1) << 4);
-            let q_hi = (q[l] >> 4) | (((qh[l] >> bit_hi) & 1) << 4);
-            y[l] = d_lo * q_lo as f32 - min_lo;
-            y[l + 32] = d_hi * q_hi as f32 - min_hi;
-        }
+fn block_q5_k(b: &[u8], levels: &mut [i8], scales: &mut [f32], mins: &mut [f32]) {
+    k_constants(b, scales, mins);
+    let (qh, qs) = (&b[16..48], &b[48..176]);
+    for (e, l) in levels.iter_mut().enumerate() {
+        *l = (k_nibble(qs, e) | (((qh[e % 32] >> (e / 32)) & 1) << 4)) as i8;
     }
 }
 
 /// Q6_K super-block: 128 bytes `ql` (low 4 bits), 64 bytes `qh` (high 2 bits), 16 signed 8-bit scales
 /// (one per 16 elements), f16 d. Each 128-element half uses 64 bytes of ql and 32 of qh: element l+32s
 /// (s in 0..4) takes a nibble of ql[l] or ql[l+32] and bits 2s..2s+2 of qh[l]; x = d*scale*(q - 32).
-fn block_q6_k(b: &[u8], out: &mut [f32]) {
+fn block_q6_k(b: &[u8], levels: &mut [i8], scales: &mut [f32], mins: &mut [f32]) {
     let d = f16_at(b, 208);
-    for half in 0..2 {
-        let ql = &b[64 * half..64 * half + 64];
-        let qh = &b[128 + 32 * half..128 + 32 * half + 32];
-        let scales = &b[192 + 8 * half..192 + 8 * half + 8];
-        let y = &mut out[128 * half..128 * half + 128];
-        for l in 0..32 {
-            let quants = [
-                (ql[l] & 0x0F) | ((qh[l] & 3) << 4),
-                (ql[l + 32] & 0x0F) | (((qh[l] >> 2) & 3) << 4),
-                (ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4),
-                (ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4),
-            ];
-            for (s, &q) in quants.iter().enumerate() {
-                let scale = scales[l / 16 + 2 * s] as i8;
-                y[l + 32 * s] = d * scale as f32 * (q as i32 - 32) as f32;
-            }
-        }
+    for g in 0..QK_K / 16 {
+        scales[g] = d * (b[192 + g] as i8) as f32;
+        mins[g] = -0.0;
+    }
+    for (e, l) in levels.iter_mut().enumerate() {
+        let (half, s, i) = (e / 128, e % 128 / 32, e % 32);
+        let ql = b[64 * half + i + 32 * (s % 2)];
+        let low = if s < 2 { ql & 0x0F } else { ql >> 4 };
+        let high = (b[128 + 32 * half + i] >> (2 * s)) & 3;
+        *l = (low | (high << 4)) as i8 - 32;
+    }
+}
+
+/// The 16 levels of IQ4_NL and IQ4_XS: a 4-bit index picks one.
+const IQ4_LEVELS: [i8; 16] = [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113];
+
+/// 16 bytes of IQ4 indices for 32 elements, laid out as [`nibbles`].
+fn iq4_levels(qs: &[u8], levels: &mut [i8]) {
+    for (j, &q) in qs[..16].iter().enumerate() {
+        levels[j] = IQ4_LEVELS[(q & 0x0F) as usize];
+        levels[j + 16] = IQ4_LEVELS[(q >> 4) as usize];
+    }
+}
+
+/// IQ4_NL: f16 scale d, 16 bytes of indices; x = d * IQ4_LEVELS[index].
+fn block_iq4_nl(b: &[u8], levels: &mut [i8], scales: &mut [f32], mins: &mut [f32]) {
+    (scales[0], mins[0]) = (f16_at(b, 0), -0.0);
+    iq4_levels(&b[2..18], levels);
+}
+
+/// IQ4_XS super-block: f16 d, u16 of high scale bits, 4 bytes of low scale nibbles, 128 bytes of indices; sub-block
+/// j (of 32) has the 6-bit scale (nibble j of the low bytes) | (bits 2j..2j+2 of the u16) << 4, minus 32;
+/// x = d*scale*IQ4_LEVELS[index].
+fn block_iq4_xs(b: &[u8], levels: &mut [i8], scales: &mut [f32], mins: &mut [f32]) {
+    let d = f16_at(b, 0);
+    let high = u16::from_le_bytes([b[2], b[3]]);
+    for j in 0..QK_K / 32 {
+        let low = (b[4 + j / 2] >> (4 * (j % 2))) & 0x0F;
+        let scale = (low | ((((high >> (2 * j)) & 3) as u8) << 4)) as i32 - 32;
+        scales[j] = d * scale as f32;
+        mins[j] = -0.0;
+        iq4_levels(&b[8 + 16 * j..24 + 16 * j], &mut levels[32 * j..32 * j + 32]);
     }
 }
 
@@ -325,7 +460,8 @@ mod tests {
     fn size_mismatch_is_an_error_not_a_panic() {
         assert!(dequantize(GgmlType::Q4_K, &[0u8; 143], 256).is_err());
         assert!(dequantize(GgmlType::Q8_0, &[0u8; 34], 31).is_err());
-        assert!(dequantize(GgmlType::Q5_0, &[0u8; 22], 32).is_err());
-        assert_eq!(dequantize(GgmlType::Q8_0, &[], 0).unwrap(), Vec::<f32>::new());
+        assert!(dequantize(GgmlType::Q5_0, &[0u8; 21], 32).is_err());
+        assert!(dequantize(GgmlType::IQ2_XXS, &[0u8; 66], 256).is_err(), "not a type we read");
+        assert_eq!(dequantize(GgmlType::Q8_0, &[], 0).unwrap().0, Vec::<f32>::new());
     }
 }

@@ -6,6 +6,111 @@
 pub struct HostTensor {
     pub shape: Vec<usize>,
     pub data: Vec<f32>,
+    /// The integer blocks `data` was dequantized from, when the file stored it quantized (a GGUF's Q4_K,
+    /// Q8_0, ...): a backend may keep those instead of the floats.
+    pub blocks: Option<HostBlocks>,
+}
+
+/// A quantized tensor as its integer levels and, for each run of `group` consecutive elements of a row, a scale
+/// and a minimum: element `i` is `fma(levels[i], scales[i / group], mins[i / group])`, bit for bit the f32 value
+/// the format's dequantizer gives. Laid out row-major like [`HostTensor::data`]; `group` divides a row.
+#[derive(Debug, Clone, PartialEq)]
+pub struct HostBlocks {
+    pub group: usize,
+    pub levels: Vec<i8>,
+    pub scales: Vec<f32>,
+    pub mins: Vec<f32>,
+}
+
+impl HostBlocks {
+    /// Element `i` as its level, scale and minimum give it.
+    pub fn value(&self, i: usize) -> f32 {
+        let g = i / self.group;
+        (self.levels[i] as f32).mul_add(self.scales[g], self.mins[g])
+    }
+
+    /// Whether every element of `values` is what its level, scale and minimum give, bit for bit.
+    pub fn rebuild(&self, values: &[f32]) -> bool {
+        use rayon::prelude::*;
+        let group = self.group;
+        values.len() == self.levels.len()
+            && self.scales.len() * group == values.len()
+            && self.mins.len() == self.scales.len()
+            && values.par_chunks(group).zip(self.levels.par_chunks(group)).zip(self.scales.par_iter().zip(&self.mins)).all(
+                |((values, levels), (&scale, &min))| {
+                    values.iter().zip(levels).all(|(v, &q)| (q as f32).mul_add(scale, min).to_bits() == v.to_bits())
+                },
+            )
+    }
+
+    /// The same values with constants per run of `group` elements (a divisor of the current group).
+    fn regrouped(self, group: usize) -> HostBlocks {
+        assert!(self.group.is_multiple_of(group), "cannot regroup blocks of {} into {group}", self.group);
+        let repeat = |v: Vec<f32>| v.into_iter().flat_map(|c| std::iter::repeat_n(c, self.group / group)).collect();
+        HostBlocks { group, levels: self.levels, scales: repeat(self.scales), mins: repeat(self.mins) }
+    }
+}
+
+impl HostTensor {
+    /// A tensor with no quantized form.
+    pub fn new(shape: Vec<usize>, data: Vec<f32>) -> HostTensor {
+        HostTensor { shape, data, blocks: None }
+    }
+
+    /// Elements per row: every dimension after the first (a vector's rows are its elements).
+    fn cols(&self) -> usize {
+        self.shape.iter().skip(1).product()
+    }
+
+    /// Matrices of equal width stacked row-wise. The result keeps quantized blocks only when every part has them
+    /// (in the smallest group any part uses).
+    pub fn stack_rows(parts: Vec<HostTensor>) -> HostTensor {
+        let cols = parts.first().map_or(0, HostTensor::cols);
+        assert!(parts.iter().all(|p| p.shape.len() == 2 && p.cols() == cols), "stack_rows needs matrices of one width");
+        let rows = parts.iter().map(|p| p.shape[0]).sum();
+        let group = parts.iter().map(|p| p.blocks.as_ref().map(|b| b.group)).collect::<Option<Vec<_>>>().and_then(|g| g.into_iter().min());
+        let mut stacked = HostTensor::new(vec![rows, cols], Vec::with_capacity(rows * cols));
+        let mut blocks = group.map(|group| HostBlocks { group, levels: Vec::new(), scales: Vec::new(), mins: Vec::new() });
+        for part in parts {
+            stacked.data.extend_from_slice(&part.data);
+            if let (Some(all), Some(own)) = (blocks.as_mut(), part.blocks) {
+                let own = own.regrouped(all.group);
+                all.levels.extend_from_slice(&own.levels);
+                all.scales.extend_from_slice(&own.scales);
+                all.mins.extend_from_slice(&own.mins);
+            }
+        }
+        stacked.blocks = blocks;
+        stacked
+    }
+
+    /// Append a row of zeros (blocks included: level 0 with scale and minimum 0 is +0).
+    pub fn append_zero_row(&mut self) {
+        let cols = self.cols();
+        self.shape[0] += 1;
+        self.data.extend(std::iter::repeat_n(0.0, cols));
+        if let Some(blocks) = self.blocks.as_mut() {
+            blocks.levels.extend(std::iter::repeat_n(0, cols));
+            blocks.scales.extend(std::iter::repeat_n(0.0, cols / blocks.group));
+            blocks.mins.extend(std::iter::repeat_n(0.0, cols / blocks.group));
+        }
+    }
+
+    /// The tensor whose row `r` is row `order[r]` of this one (a vector's elements are rows of one).
+    pub fn with_rows(&self, order: &[usize]) -> HostTensor {
+        let cols = self.cols();
+        let gather = |v: &[f32], width: usize| order.iter().flat_map(|&r| v[r * width..(r + 1) * width].iter().copied()).collect::<Vec<_>>();
+        let blocks = self.blocks.as_ref().map(|b| {
+            let width = cols / b.group;
+            HostBlocks {
+                group: b.group,
+                levels: order.iter().flat_map(|&r| b.levels[r * cols..(r + 1) * cols].iter().copied()).collect(),
+                scales: gather(&b.scales, width),
+                mins: gather(&b.mins, width),
+            }
+        });
+        HostTensor { shape: self.shape.clone(), data: gather(&self.data, cols), blocks }
+    }
 }
 
 /// Anything that can hand out weights by Hugging Face tensor name, e.g. "model.layers.0.self_attn.q_proj.weight".

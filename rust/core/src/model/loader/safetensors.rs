@@ -164,7 +164,7 @@ impl Shard {
                 ))
             }
         };
-        Ok(HostTensor { shape: info.shape.clone(), data })
+        Ok(HostTensor::new(info.shape.clone(), data))
     }
 
     fn bytes(&self, info: &TensorInfo) -> &[u8] {
