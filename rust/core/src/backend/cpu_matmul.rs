@@ -56,8 +56,8 @@ pub enum Levels<'a> {
     /// 8-bit levels in the panel layout.
     Bytes(&'a [i8]),
     /// 4-bit levels, two per byte: half a panel's k step is one byte per row pair, row `j` in the low nibble
-    /// and row `j + PANEL / 2` in the high one ([`nibble_index`]).
-    Nibbles(&'a [u8]),
+    /// and row `j + PANEL / 2` in the high one ([`nibble_index`]). A `signed` level is its nibble minus 8.
+    Nibbles { values: &'a [u8], signed: bool },
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -71,9 +71,10 @@ impl Levels<'_> {
     fn level(self, c: usize, p: usize, k: usize) -> f32 {
         match self {
             Levels::Bytes(values) => values[panel_index(c, p, k)] as f32,
-            Levels::Nibbles(values) => {
+            Levels::Nibbles { values, signed } => {
                 let (byte, high) = nibble_index(c, p, k);
-                (if high { values[byte] >> 4 } else { values[byte] & 0x0F }) as f32
+                let nibble = if high { values[byte] >> 4 } else { values[byte] & 0x0F };
+                nibble as f32 - if signed { 8.0 } else { 0.0 }
             }
         }
     }
@@ -127,7 +128,7 @@ impl Weights<'_> {
             Weights::Bf16(w) => w.len(),
             Weights::Int8 { values, .. } => values.len(),
             Weights::Blocks(BlockWeights { levels: Levels::Bytes(values), .. }) => values.len(),
-            Weights::Blocks(BlockWeights { levels: Levels::Nibbles(values), .. }) => 2 * values.len(),
+            Weights::Blocks(BlockWeights { levels: Levels::Nibbles { values, .. }, .. }) => 2 * values.len(),
         }
     }
 
@@ -199,7 +200,7 @@ pub struct BlockMatrix {
 #[derive(Debug, Clone)]
 pub enum BlockLevels {
     Bytes(Vec<i8>),
-    Nibbles(Vec<u8>),
+    Nibbles { values: Vec<u8>, signed: bool },
 }
 
 #[derive(Debug, Clone)]
@@ -212,7 +213,7 @@ impl BlockMatrix {
     pub fn bytes(&self) -> usize {
         let levels = match &self.levels {
             BlockLevels::Bytes(values) => values.len(),
-            BlockLevels::Nibbles(values) => values.len(),
+            BlockLevels::Nibbles { values, .. } => values.len(),
         };
         levels
             + match &self.constants {
@@ -224,7 +225,7 @@ impl BlockMatrix {
     pub fn weights(&self) -> Weights<'_> {
         let levels = match &self.levels {
             BlockLevels::Bytes(values) => Levels::Bytes(values),
-            BlockLevels::Nibbles(values) => Levels::Nibbles(values),
+            BlockLevels::Nibbles { values, signed } => Levels::Nibbles { values, signed: *signed },
         };
         let constants = match &self.constants {
             BlockConstants::F16 { scales, mins } => Constants::F16 { scales, mins },
@@ -235,7 +236,8 @@ impl BlockMatrix {
 }
 
 /// The row-major `[n, k]` matrix `data` in the exact blocked form of `blocks`, the integer blocks it was
-/// dequantized from: 4-bit levels when every level is in 0..=15, f16 constants when every one is an f16 value.
+/// dequantized from: 4-bit levels when every level is in 0..=15 (or -8..=7, stored plus 8), f16 constants when
+/// every one is an f16 value.
 /// None when some weight does not come back bit for bit from its level, scale and minimum (so nothing a loader
 /// hands over can change a result), or when the groups do not suit the kernels.
 pub fn pack_blocks(data: &[f32], blocks: &HostBlocks, n: usize, k: usize) -> Option<BlockMatrix> {
@@ -247,7 +249,9 @@ pub fn pack_blocks(data: &[f32], blocks: &HostBlocks, n: usize, k: usize) -> Opt
     }
     let level = |c: usize, p: usize| blocks.levels[c * k + p];
     let levels = if blocks.levels.par_iter().all(|q| (0..=15).contains(q)) {
-        BlockLevels::Nibbles(pack_nibbles(n, k, |c, p| level(c, p) as u8))
+        BlockLevels::Nibbles { values: pack_nibbles(n, k, 0, |c, p| level(c, p) as u8), signed: false }
+    } else if blocks.levels.par_iter().all(|q| (-8..=7).contains(q)) {
+        BlockLevels::Nibbles { values: pack_nibbles(n, k, 8, |c, p| (level(c, p) + 8) as u8), signed: true }
     } else {
         BlockLevels::Bytes(pack(n, k, level))
     };
@@ -275,10 +279,10 @@ fn pack_constants(blocks: &HostBlocks, n: usize, k: usize) -> BlockConstants {
     }
 }
 
-/// 4-bit values `level(row, column)` in the nibble layout, padding rows 0 (as [`pack`] leaves them).
-fn pack_nibbles(n: usize, k: usize, level: impl Fn(usize, usize) -> u8 + Sync) -> Vec<u8> {
+/// 4-bit values `level(row, column)` in the nibble layout, padding rows `pad` (the nibble of level 0).
+fn pack_nibbles(n: usize, k: usize, pad: u8, level: impl Fn(usize, usize) -> u8 + Sync) -> Vec<u8> {
     let half = PANEL / 2;
-    let level_or_pad = |row: usize, p: usize| if row < n { level(row, p) } else { 0 };
+    let level_or_pad = |row: usize, p: usize| if row < n { level(row, p) } else { pad };
     let mut out = vec![0u8; padded_rows(n) * k / 2];
     out.par_chunks_mut(half * k).enumerate().for_each(|(panel, dst)| {
         for p in 0..k {
@@ -600,22 +604,30 @@ mod tests {
         v.iter().map(|a| a.to_bits()).collect()
     }
 
-    /// Every quantized type we read: how its levels and constants are kept, and its group.
-    const BLOCK_TYPES: [(GgmlType, bool, bool, usize); 12] = [
-        // (type, 4-bit levels, f16 constants, group)
-        (GgmlType::Q8_0, false, true, 32),
-        (GgmlType::Q4_0, false, true, 32),
-        (GgmlType::Q4_1, true, true, 32),
-        (GgmlType::Q5_0, false, true, 32),
-        (GgmlType::Q5_1, false, true, 32),
-        (GgmlType::IQ4_NL, false, true, 32),
-        (GgmlType::Q2_K, true, false, 16),
-        (GgmlType::Q3_K, false, false, 16),
-        (GgmlType::Q4_K, true, false, 32),
-        (GgmlType::Q5_K, false, false, 32),
-        (GgmlType::Q6_K, false, false, 16),
-        (GgmlType::IQ4_XS, false, false, 32),
+    /// Every quantized type we read: how its levels are kept ("bytes", "nibbles", or "signed" nibbles, minus 8),
+    /// whether its constants are f16, and its group.
+    const BLOCK_TYPES: [(GgmlType, &str, bool, usize); 12] = [
+        (GgmlType::Q8_0, "bytes", true, 32),
+        (GgmlType::Q4_0, "signed", true, 32),
+        (GgmlType::Q4_1, "nibbles", true, 32),
+        (GgmlType::Q5_0, "bytes", true, 32),
+        (GgmlType::Q5_1, "bytes", true, 32),
+        (GgmlType::IQ4_NL, "bytes", true, 32),
+        (GgmlType::Q2_K, "nibbles", false, 16),
+        (GgmlType::Q3_K, "signed", false, 16),
+        (GgmlType::Q4_K, "nibbles", false, 32),
+        (GgmlType::Q5_K, "bytes", false, 32),
+        (GgmlType::Q6_K, "bytes", false, 16),
+        (GgmlType::IQ4_XS, "bytes", false, 32),
     ];
+
+    fn levels_kind(blocks: &BlockMatrix) -> &'static str {
+        match blocks.levels {
+            BlockLevels::Bytes(_) => "bytes",
+            BlockLevels::Nibbles { signed: false, .. } => "nibbles",
+            BlockLevels::Nibbles { signed: true, .. } => "signed",
+        }
+    }
 
     /// Both instruction sets' tile heights and row panels, partial panels, and k of one to three K-quant blocks.
     const BLOCK_SHAPES: [(usize, usize, usize); 8] = [
@@ -633,12 +645,12 @@ mod tests {
     fn blocks_equal_the_f32_matmul_bit_for_bit_with_every_kernel_set() {
         for kernels in Kernels::supported() {
             for (i, (m, k, n)) in BLOCK_SHAPES.into_iter().enumerate() {
-                for (ty, nibbles, f16s, group) in BLOCK_TYPES {
+                for (ty, kind, f16s, group) in BLOCK_TYPES {
                     let what = format!("{kernels:?} {} m={m} k={k} n={n}", ty.name());
                     let (x, _) = inputs(m, k, n);
                     let w = quantized(ty, n, k, i as u64 + 1);
                     let blocks = packed(&w).unwrap_or_else(|| panic!("{what}: no exact blocks"));
-                    assert_eq!(matches!(blocks.levels, BlockLevels::Nibbles(_)), nibbles, "{what}: 4-bit levels");
+                    assert_eq!(levels_kind(&blocks), kind, "{what}: levels");
                     assert_eq!(matches!(blocks.constants, BlockConstants::F16 { .. }), f16s, "{what}: f16 constants");
                     assert_eq!(blocks.group, group, "{what}: group");
                     let (mut ours, mut exact) = (vec![f32::NAN; m * n], vec![f32::NAN; m * n]);
@@ -719,16 +731,10 @@ mod tests {
         let mut checked = 0;
         for info in gguf.tensor_infos().iter().filter(|t| t.hf_shape().len() == 2) {
             let tensor = gguf.dequantize(&info.name).unwrap();
-            let blocks =
-                packed(&tensor).unwrap_or_else(|| panic!("{} ({:?}) keeps no exact blocks", info.name, info.ggml_type));
-            let nibbles = matches!(blocks.levels, BlockLevels::Nibbles(_));
-            assert_eq!(
-                nibbles,
-                info.ggml_type == GgmlType::Q4_1,
-                "{} ({:?}): nibbles {nibbles}",
-                info.name,
-                info.ggml_type
-            );
+            let what = format!("{} ({:?})", info.name, info.ggml_type);
+            let blocks = packed(&tensor).unwrap_or_else(|| panic!("{what} keeps no exact blocks"));
+            let kind = if info.ggml_type == GgmlType::Q4_1 { "nibbles" } else { "bytes" };
+            assert_eq!(levels_kind(&blocks), kind, "{what}: levels");
             assert!(matches!(blocks.constants, BlockConstants::F16 { .. }), "{}: f16 constants", info.name);
             checked += 1;
         }
@@ -763,8 +769,8 @@ mod tests {
 
     /// Timing, not a check: `cargo test --release -p stepllm-core --lib matmul_speed -- --ignored --nocapture`
     /// (`STEPLLM_SPEED_KERNELS=avx2,avx512` picks kernel sets). Shapes of one SmolLM2-135M layer plus its
-    /// LM head; q4_1 is the exact blocked format of Q4_1 weights (4-bit levels, f16 constants), q4_k that of
-    /// Q4_K (4-bit levels, f32 constants).
+    /// LM head; q8_0, q4_0, q4_1 and q4_k are the exact blocked formats of those GGUF types (8-bit levels for q8_0,
+    /// else 4-bit, signed for q4_0; f16 constants, f32 for q4_k).
     #[test]
     #[ignore = "timing"]
     fn matmul_speed() {
@@ -773,20 +779,24 @@ mod tests {
         for kernels in Kernels::supported().into_iter().filter(|k| only.is_empty() || only.split(',').any(|o| o == k.name())) {
             for m in [1, 8, 32, 256] {
                 let mut line = format!("{:>8} m={m:<3}", kernels.name());
-                for format in ["f32", "bf16", "int8", "q4_1", "q4_k"] {
+                for format in ["f32", "bf16", "int8", "q8_0", "q4_0", "q4_1", "q4_k"] {
                     let mut total = 0.0;
                     for (k, n) in shapes {
                         let (x, w) = inputs(m, k, n);
                         let (f32s, bf16s, (values, scales)) =
                             (pack_f32(&w, n, k), pack_bf16(&w, n, k), pack_int8(&w, n, k));
-                        let q4_1 = packed(&quantized(GgmlType::Q4_1, n, k, 1)).expect("Q4_1 blocks");
-                        let q4_k = packed(&q4_k_like(n, k)).expect("Q4_K-like blocks");
+                        let blocks = match format {
+                            "q4_0" => packed(&quantized(GgmlType::Q4_0, n, k, 1)),
+                            "q8_0" => packed(&quantized(GgmlType::Q8_0, n, k, 1)),
+                            "q4_1" => packed(&quantized(GgmlType::Q4_1, n, k, 1)),
+                            "q4_k" => packed(&q4_k_like(n, k)),
+                            _ => None,
+                        };
                         let weights = match format {
                             "f32" => Weights::F32(&f32s),
                             "bf16" => Weights::Bf16(&bf16s),
                             "int8" => Weights::Int8 { values: &values, scales: &scales },
-                            "q4_1" => q4_1.weights(),
-                            _ => q4_k.weights(),
+                            _ => blocks.as_ref().expect("exact blocks").weights(),
                         };
                         let mut out = vec![0.0; m * n];
                         let (mut best, started) = (f64::INFINITY, std::time::Instant::now());

@@ -57,11 +57,17 @@ mod imp {
             Weights::Blocks(BlockWeights { levels, constants, group }) => match (levels, constants) {
                 (Levels::Bytes(v), Constants::F16 { scales, mins }) => run_on(wide, blocks(scales, mins, group), x, v.as_ptr(), out, at),
                 (Levels::Bytes(v), Constants::F32 { scales, mins }) => run_on(wide, blocks(scales, mins, group), x, v.as_ptr(), out, at),
-                (Levels::Nibbles(v), Constants::F16 { scales, mins }) => {
-                    run_on(wide, Nibbles(blocks(scales, mins, group)), x, v.as_ptr(), out, at)
+                (Levels::Nibbles { values: v, signed: false }, Constants::F16 { scales, mins }) => {
+                    run_on(wide, Nibbles::<_, false>(blocks(scales, mins, group)), x, v.as_ptr(), out, at)
                 }
-                (Levels::Nibbles(v), Constants::F32 { scales, mins }) => {
-                    run_on(wide, Nibbles(blocks(scales, mins, group)), x, v.as_ptr(), out, at)
+                (Levels::Nibbles { values: v, signed: false }, Constants::F32 { scales, mins }) => {
+                    run_on(wide, Nibbles::<_, false>(blocks(scales, mins, group)), x, v.as_ptr(), out, at)
+                }
+                (Levels::Nibbles { values: v, signed: true }, Constants::F16 { scales, mins }) => {
+                    run_on(wide, Nibbles::<_, true>(blocks(scales, mins, group)), x, v.as_ptr(), out, at)
+                }
+                (Levels::Nibbles { values: v, signed: true }, Constants::F32 { scales, mins }) => {
+                    run_on(wide, Nibbles::<_, true>(blocks(scales, mins, group)), x, v.as_ptr(), out, at)
                 }
             },
         }

@@ -45,6 +45,8 @@ mod imp {
         unsafe fn load_f16(p: *const u16) -> Self::V;
         /// Every lane `*p`.
         unsafe fn broadcast(p: *const f32) -> Self::V;
+        /// Every lane `x`.
+        unsafe fn splat(x: f32) -> Self::V;
         unsafe fn store(p: *mut f32, v: Self::V);
         /// `a * b + c`.
         unsafe fn fma(a: Self::V, b: Self::V, c: Self::V) -> Self::V;
@@ -93,6 +95,11 @@ mod imp {
         #[inline(always)]
         unsafe fn broadcast(p: *const f32) -> __m256 {
             _mm256_broadcast_ss(&*p)
+        }
+
+        #[inline(always)]
+        unsafe fn splat(x: f32) -> __m256 {
+            _mm256_set1_ps(x)
         }
 
         #[inline(always)]
@@ -157,6 +164,11 @@ mod imp {
         #[inline(always)]
         unsafe fn broadcast(p: *const f32) -> __m512 {
             _mm512_set1_ps(*p)
+        }
+
+        #[inline(always)]
+        unsafe fn splat(x: f32) -> __m512 {
+            _mm512_set1_ps(x)
         }
 
         #[inline(always)]
@@ -320,11 +332,12 @@ mod imp {
     }
 
     /// [`Blocks`] with 4-bit values, two per byte, as `cpu_matmul::Levels::Nibbles` lays them out: byte `j`
-    /// of a k step holds weight rows `j` (low nibble) and `j + PANEL / 2` (high nibble) of the panel.
+    /// of a k step holds weight rows `j` (low nibble) and `j + PANEL / 2` (high nibble) of the panel. A `SIGNED`
+    /// level is its nibble minus 8 (exact in f32), so levels -8..=7 (Q4_0's) take nibbles too.
     #[derive(Clone, Copy)]
-    pub struct Nibbles<C: Constant>(pub Blocks<C>);
+    pub struct Nibbles<C: Constant, const SIGNED: bool>(pub Blocks<C>);
 
-    impl<C: Constant> Format for Nibbles<C> {
+    impl<C: Constant, const SIGNED: bool> Format for Nibbles<C, SIGNED> {
         type Elem = u8;
         type Group<I: Isa> = (I::V, I::V);
         const STEP: usize = PANEL / 2;
@@ -347,7 +360,9 @@ mod imp {
 
         #[inline(always)]
         unsafe fn load<I: Isa>(p: *const u8, c: usize, (scale, min): (I::V, I::V)) -> I::V {
-            I::fma(I::load_u4(p, c >= PANEL / 2), scale, min)
+            let nibbles = I::load_u4(p, c >= PANEL / 2);
+            let levels = if SIGNED { I::add(nibbles, I::splat(-8.0)) } else { nibbles };
+            I::fma(levels, scale, min)
         }
     }
 }
