@@ -16,7 +16,7 @@ import pytest
 import stepllm
 
 FIXTURES = Path(__file__).parent / "fixtures"
-MODELS = ["llama", "qwen2", "qwen3"]
+MODELS = ["llama", "qwen2", "qwen3", "llama3"]
 
 
 def model_dir(name: str) -> str:

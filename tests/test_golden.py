@@ -7,6 +7,7 @@ import pytest
 
 import stepllm
 from conftest import (
+    FIXTURES,
     check_invariants,
     coordinator,
     expected,
@@ -137,3 +138,14 @@ def test_greedy_logprobs_match_log_softmax(model_name: str) -> None:
 def test_no_logprobs_unless_asked() -> None:
     resp = coordinator().dispatch_request([stepllm.GenerationRequest("Hello", greedy(3))])[0]
     assert resp.logprobs is None
+
+
+def test_llama3_gguf_generates_what_transformers_does() -> None:
+    """The llama3 fixture converted as llama.cpp converts Llama 3.1 (rope_freqs.weight, its vocabulary in GGUF
+    metadata): raw prompts tokenize and decode greedily as transformers did with the original."""
+    raw = [r for r in expected("llama3")["rows"] if r["kind"] == "raw"]
+    gguf = FIXTURES / "gguf" / "llama3_rope.gguf"
+    with stepllm.LLM(model=str(gguf), device="cpu") as llm:
+        out = llm.generate([r["prompt"] for r in raw], greedy(12))
+    assert [o.prompt_ids for o in out] == [r["prompt_ids"] for r in raw]
+    assert [o.output_ids for o in out] == [r["greedy_ids"] for r in raw]

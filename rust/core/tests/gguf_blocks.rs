@@ -22,7 +22,7 @@ fn config() -> ModelConfig {
         num_heads: 4,
         num_kv_heads: 2,
         head_dim: 64,
-        rope_theta: 10000.0,
+        rope: stepllm_core::model::Rope::plain(10000.0),
         rms_norm_eps: 1e-5,
         max_position_embeddings: 256,
         tie_word_embeddings: true,

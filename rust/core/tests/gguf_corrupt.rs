@@ -262,3 +262,41 @@ fn gguf_random_files_are_rejected() {
         }
     }
 }
+
+/// A llama header with 2 heads of 8 values (4 rotated pairs) and no weights: enough for `config()`.
+fn llama_header() -> Builder {
+    let string = |s: &str| [&(s.len() as u64).to_le_bytes()[..], s.as_bytes()].concat();
+    let u32s = [("embedding_length", 16u32), ("attention.head_count", 2), ("feed_forward_length", 8), ("block_count", 1),
+        ("context_length", 64), ("vocab_size", 8)];
+    let mut b = Builder::new().kv("general.architecture", 8, &string("llama"));
+    for (key, value) in u32s {
+        b = b.kv(&format!("llama.{key}"), 4, &value.to_le_bytes());
+    }
+    b.kv("llama.attention.layer_norm_rms_epsilon", 6, &1e-5f32.to_le_bytes())
+}
+
+fn config_error(b: Builder) -> String {
+    GgufModel::from_bytes(b.build()).unwrap().config().unwrap_err().to_string()
+}
+
+#[test]
+fn gguf_rope_scaling_is_read_or_refused_by_name() {
+    use stepllm_core::model::RopeScaling;
+    let string = |s: &str| [&(s.len() as u64).to_le_bytes()[..], s.as_bytes()].concat();
+    assert!(GgufModel::from_bytes(llama_header().build()).unwrap().config().unwrap().rope.is_plain());
+    let linear = llama_header().kv("llama.rope.scaling.type", 8, &string("linear"));
+    let config = GgufModel::from_bytes(linear.kv("llama.rope.scaling.factor", 6, &4f32.to_le_bytes()).build()).unwrap().config();
+    assert_eq!(config.unwrap().rope.scaling, RopeScaling::Linear { factor: 4.0 });
+
+    let msg = config_error(llama_header().kv("llama.rope.scaling.type", 8, &string("linear")));
+    assert!(msg.contains("llama.rope.scaling.factor"), "{msg}");
+    let msg = config_error(llama_header().kv("llama.rope.scaling.type", 8, &string("yarn")));
+    assert!(msg.contains("rope scaling \"yarn\" is not supported"), "{msg}");
+    let msg = config_error(llama_header().f32_tensor("rope_freqs.weight", &[3], 0, &[1.0, 2.0, 4.0]));
+    assert!(msg.contains("rope_freqs.weight has 3 factors") && msg.contains("rotates 4 pairs"), "{msg}");
+    let msg = config_error(llama_header().f32_tensor("rope_freqs.weight", &[4], 0, &[1.0, 2.0, 0.0, 4.0]));
+    assert!(msg.contains("rope_freqs.weight holds 0"), "{msg}");
+    let factors = GgufModel::from_bytes(llama_header().f32_tensor("rope_freqs.weight", &[4], 0, &[1.0, 2.0, 3.0, 4.0]).build());
+    let rope = factors.unwrap().config().unwrap().rope;
+    assert_eq!(rope.scaling, RopeScaling::FrequencyFactors(vec![1.0, 2.0, 3.0, 4.0].into()));
+}

@@ -30,7 +30,7 @@ fn gguf_default_model_config_and_metadata() {
     assert_eq!((cfg.num_heads, cfg.num_kv_heads, cfg.head_dim), (9, 3, 64));
     assert_eq!(cfg.vocab_size, 49152);
     assert!(cfg.tie_word_embeddings);
-    assert_eq!(cfg.rope_theta, 1e5);
+    assert_eq!(cfg.rope.theta, 1e5);
     assert_eq!(cfg.rms_norm_eps, 1e-5);
     assert_eq!(cfg.max_position_embeddings, 8192);
     assert_eq!((cfg.bos_token_id, cfg.eos_token_ids.as_slice()), (Some(1), &[2u32][..]));

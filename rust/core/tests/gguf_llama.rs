@@ -36,7 +36,7 @@ fn gguf_config_comes_from_llama_metadata() {
     assert_eq!(cfg.num_kv_heads, n("num_kv_heads"));
     assert_eq!(cfg.head_dim, n("head_dim"));
     assert_eq!(cfg.max_position_embeddings, n("max_position_embeddings"));
-    assert_eq!(cfg.rope_theta, c["rope_theta"].as_f64().unwrap() as f32);
+    assert_eq!(cfg.rope.theta, c["rope_theta"].as_f64().unwrap() as f32);
     assert_eq!(cfg.rms_norm_eps, c["rms_norm_eps"].as_f64().unwrap() as f32);
     assert!(!cfg.tie_word_embeddings, "the fixture has output.weight");
     assert!(!cfg.qkv_bias && !cfg.qk_norm);

@@ -1,6 +1,6 @@
-//! Golden test: our forward against Hugging Face transformers' logits for tiny random-weight Llama, Qwen2 and
-//! Qwen3 checkpoints (tests/fixtures, made by make_fixtures.py). The same token sequences are fed in four
-//! schedules: (a) one prefill, (b) prefill then one-token decode steps, (c) every fixture row in ONE ragged
+//! Golden test: our forward against Hugging Face transformers' logits for tiny random-weight Llama (plain and
+//! with Llama 3.1's RoPE scaling), Qwen2 and Qwen3 checkpoints (tests/fixtures, made by make_fixtures.py). The
+//! same token sequences are fed in four schedules: (a) one prefill, (b) prefill then one-token decode steps, (c) every fixture row in ONE ragged
 //! batch per step with staggered starts (decodes beside prefills), (d) the prompt in two chunks.
 //! All of them go through a paged KV cache with 4-token blocks and scrambled, non-contiguous block tables.
 
@@ -10,7 +10,7 @@ use serde_json::Value;
 use stepllm_core::backend::KvCacheDtype;
 use stepllm_core::model::llama::build_runner;
 use stepllm_core::model::loader::{load_hf_config, SafetensorsSource, WeightSource};
-use stepllm_core::model::{Device, ForwardBatch, ModelRunner, SeqSlice};
+use stepllm_core::model::{load_model, Device, ForwardBatch, ModelRunner, RopeScaling, SeqSlice};
 use stepllm_core::Error;
 
 const BLOCK_SIZE: usize = 4;
@@ -46,7 +46,13 @@ fn load_fixture(name: &'static str) -> Fixture {
     let dir = fixture_dir(name);
     let config = load_hf_config(&dir).unwrap();
     let weights = SafetensorsSource::open(&dir).unwrap();
-    let runner = build_runner(&config, &weights, Device::Cpu).unwrap();
+    fixture_with_runner(name, build_runner(&config, &weights, Device::Cpu).unwrap())
+}
+
+/// Fixture `name`'s expected outputs, computed by `runner` (which may have loaded the model another way).
+fn fixture_with_runner(name: &'static str, runner: Box<dyn ModelRunner>) -> Fixture {
+    let dir = fixture_dir(name);
+    let config = load_hf_config(&dir).unwrap();
     let expected: Value = serde_json::from_str(&std::fs::read_to_string(dir.join("expected.json")).unwrap()).unwrap();
     let logits = SafetensorsSource::open_files(&[dir.join("expected.safetensors")]).unwrap();
     let rows = expected["rows"].as_array().unwrap();
@@ -175,7 +181,10 @@ fn chunked_prefill(fx: &Fixture) -> Schedule {
 }
 
 fn check_all_schedules(name: &'static str) {
-    let mut fx = load_fixture(name);
+    check_all_schedules_of(load_fixture(name));
+}
+
+fn check_all_schedules_of(mut fx: Fixture) {
     let schedules: [(&str, MakeSchedule); 4] = [
         ("(a) whole-sequence prefill", whole_sequence_prefill),
         ("(b) prefill + paged decode", prefill_then_decode),
@@ -202,6 +211,37 @@ fn qwen2_matches_transformers() {
 #[test]
 fn qwen3_matches_transformers() {
     check_all_schedules("qwen3");
+}
+
+/// Llama 3.1's RoPE scaling (the "llama3" rope_type), with an original context short enough that the head's
+/// pairs fall in all three of its bands.
+#[test]
+fn llama3_rope_scaling_matches_transformers() {
+    check_all_schedules("llama3");
+}
+
+/// The same model as a GGUF converted the way llama.cpp converts Llama 3.1 (tests/fixtures/gguf/llama3_rope.gguf):
+/// the scaling arrives as the per-frequency divisors of rope_freqs.weight.
+#[test]
+fn llama3_gguf_with_rope_freqs_matches_transformers() {
+    let gguf = fixture_dir("gguf").join("llama3_rope.gguf");
+    let loaded = load_model(&gguf, Device::Cpu, None, None).unwrap();
+    assert!(matches!(loaded.config.rope.scaling, RopeScaling::FrequencyFactors(_)), "{:?}", loaded.config.rope);
+    check_all_schedules_of(fixture_with_runner("llama3", loaded.runner));
+}
+
+/// The inverse frequencies themselves, against the ones transformers computed for the fixture.
+#[test]
+fn llama3_inverse_frequencies_are_transformers_own() {
+    let dir = fixture_dir("llama3");
+    let config = load_hf_config(&dir).unwrap();
+    let expected: Value = serde_json::from_str(&std::fs::read_to_string(dir.join("expected.json")).unwrap()).unwrap();
+    let reference: Vec<f32> =
+        expected["rope_inv_freq"].as_array().unwrap().iter().map(|x| x.as_f64().unwrap() as f32).collect();
+    assert!(!config.rope.is_plain());
+    assert_eq!(config.rope.inverse_frequencies(config.head_dim), reference);
+    let plain = stepllm_core::model::Rope::plain(config.rope.theta).inverse_frequencies(config.head_dim);
+    assert_eq!(plain.iter().zip(&reference).filter(|(p, r)| p == r).count(), 1, "only the shortest wavelength is kept");
 }
 
 /// Where no GPU is usable, asking for CUDA is an `Error::Device` value, never a panic.

@@ -29,7 +29,7 @@ fn smollm2_135m() -> ModelConfig {
         num_heads: 9,
         num_kv_heads: 3,
         head_dim: 64,
-        rope_theta: 100000.0,
+        rope: stepllm_core::model::Rope::plain(100000.0),
         rms_norm_eps: 1e-5,
         max_position_embeddings: 8192,
         tie_word_embeddings: true,

@@ -2,7 +2,7 @@
 
 use super::batch::BatchPlan;
 use super::cpu::{internal, CpuTensor};
-use super::cpu_kernels::{exp, for_each_row, rms_norm_in_place, rope_angles, rope_head, rope_inverse_frequencies, sum};
+use super::cpu_kernels::{exp, for_each_row, rms_norm_in_place, rope_angles, rope_head, sum};
 use super::cpu_attention_kernels::{portable, x86, Span};
 use super::cpu_matmul::Kernels;
 use super::{AttentionShape, KvCacheShape};
@@ -96,7 +96,7 @@ pub fn rope_and_write_kv(
     }
     let (head_dim, half) = (shape.head_dim, shape.head_dim / 2);
     let (q_dim, kv_dim, width) = (shape.q_dim(), shape.kv_dim(), shape.qkv_width());
-    let inv_freq = rope_inverse_frequencies(shape.rope_theta, head_dim);
+    let inv_freq = shape.rope.inverse_frequencies(head_dim);
     for_each_row(qkv.as_mut_slice(), width, |t, row| {
         let (mut cos, mut sin) = ([0f32; MAX_HEAD_DIM / 2], [0f32; MAX_HEAD_DIM / 2]);
         rope_angles(plan.positions[t], &inv_freq, &mut cos[..half], &mut sin[..half]);

@@ -133,11 +133,6 @@ pub fn rope_head(head: &mut [f32], cos: &[f32], sin: &[f32]) {
     }
 }
 
-/// `1 / theta^(2i / head_dim)` for each rotated pair, computed in f32 as transformers does.
-pub fn rope_inverse_frequencies(theta: f32, head_dim: usize) -> Vec<f32> {
-    (0..head_dim / 2).map(|i| 1.0 / theta.powf((2 * i) as f32 / head_dim as f32)).collect()
-}
-
 /// cos/sin of `position * inv_freq` (the f32 angle, as transformers forms it) for each pair.
 pub fn rope_angles(position: u32, inv_freq: &[f32], cos: &mut [f32], sin: &mut [f32]) {
     for ((f, c), s) in inv_freq.iter().zip(cos.iter_mut()).zip(sin.iter_mut()) {

@@ -21,17 +21,18 @@ pub use cpu::{CpuBackend, CpuWeightFormat};
 
 use crate::error::Result;
 use crate::model::loader::HostTensor;
+use crate::model::Rope;
 
 /// Geometry of one attention layer, shared by the RoPE/KV-write op and the attention op.
 ///
 /// A fused QKV activation row is laid out `[q (num_heads * head_dim) | k (kv_dim) | v (kv_dim)]`.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct AttentionShape {
     pub num_heads: usize,
     pub num_kv_heads: usize,
     pub head_dim: usize,
-    /// RoPE base; the rotation is the neox / Hugging Face `rotate_half` convention over the whole head.
-    pub rope_theta: f32,
+    /// RoPE's frequencies; the rotation is the neox / Hugging Face `rotate_half` convention over the whole head.
+    pub rope: Rope,
     /// eps of the per-head q/k RMSNorm (Qwen3); unused when no q/k norm weights are passed.
     pub qk_norm_eps: f32,
 }

@@ -1,6 +1,7 @@
 //! Architecture hyper-parameters, from a Hugging Face config.json or GGUF metadata.
 
 use crate::error::{load_err, Result};
+use crate::model::rope::Rope;
 use serde_json::Value;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -45,7 +46,7 @@ pub struct ModelConfig {
     pub num_heads: usize,
     pub num_kv_heads: usize,
     pub head_dim: usize,
-    pub rope_theta: f32,
+    pub rope: Rope,
     pub rms_norm_eps: f32,
     pub max_position_embeddings: usize,
     pub tie_word_embeddings: bool,
@@ -69,16 +70,7 @@ impl ModelConfig {
         let num_heads = req_usize(&v, "num_attention_heads")?;
         let num_kv_heads = opt_usize(&v, "num_key_value_heads").unwrap_or(num_heads);
         let head_dim = opt_usize(&v, "head_dim").unwrap_or(hidden_size / num_heads.max(1));
-        // transformers 5 moved rope_theta into rope_parameters; older configs keep it at the top level.
-        let rope_theta = v["rope_parameters"]["rope_theta"]
-            .as_f64()
-            .or_else(|| v["rope_theta"].as_f64())
-            .unwrap_or(10000.0) as f32;
-        if let Some(kind) = v["rope_parameters"]["rope_type"].as_str().or_else(|| v["rope_scaling"]["rope_type"].as_str()) {
-            if kind != "default" {
-                return load_err(format!("rope scaling {kind:?} is not supported yet; only default RoPE"));
-            }
-        }
+        let rope = Rope::from_hf_config(&v)?;
         let cfg = Self {
             architecture,
             vocab_size: req_usize(&v, "vocab_size")?,
@@ -88,7 +80,7 @@ impl ModelConfig {
             num_heads,
             num_kv_heads,
             head_dim,
-            rope_theta,
+            rope,
             rms_norm_eps: v["rms_norm_eps"].as_f64().unwrap_or(1e-6) as f32,
             max_position_embeddings: opt_usize(&v, "max_position_embeddings").unwrap_or(4096),
             tie_word_embeddings: v["tie_word_embeddings"].as_bool().unwrap_or(false),

@@ -166,7 +166,7 @@ impl<B: Backend> LlamaModel<B> {
             num_heads: config.num_heads,
             num_kv_heads: config.num_kv_heads,
             head_dim: config.head_dim,
-            rope_theta: config.rope_theta,
+            rope: config.rope.clone(),
             qk_norm_eps: config.rms_norm_eps,
         };
         Ok(Self {

@@ -3,10 +3,12 @@
 pub mod config;
 pub mod llama;
 pub mod loader;
+pub mod rope;
 
 use crate::backend::KvCacheDtype;
 use crate::error::Result;
 pub use config::{Architecture, ModelConfig};
+pub use rope::{Rope, RopeScaling};
 
 /// Where a model runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -538,7 +538,7 @@ impl CudaBackend {
             Arg::Ptr(qn),
             Arg::Ptr(kn),
             Arg::F32(shape.qk_norm_eps),
-            Arg::F32(shape.rope_theta),
+            Arg::F32(shape.rope.theta),
             Arg::Ptr(batch.section(batch.layout.slots)),
         ];
         let args = match rotation {
@@ -844,7 +844,7 @@ impl Backend for CudaBackend {
             Arg::I32(shape.num_heads as i32),
             Arg::I32(shape.num_kv_heads as i32),
             Arg::I32(shape.head_dim as i32),
-            Arg::F32(shape.rope_theta),
+            Arg::F32(shape.rope.theta),
             Arg::I32(cache.shape.block_size as i32),
         ];
         let grid = (batch.n_tokens as u32, 1, 1);

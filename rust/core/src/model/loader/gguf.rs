@@ -13,6 +13,7 @@ use super::{HostTensor, WeightSource};
 use crate::text::tokenizer::BpeVocab;
 use crate::error::{load_err, Error, Result};
 use crate::model::config::{Architecture, ModelConfig};
+use crate::model::rope::{Rope, RopeScaling};
 use memmap2::Mmap;
 use std::collections::HashMap;
 use std::path::Path;
@@ -269,7 +270,6 @@ impl GgufModel {
             "qwen3" => Architecture::Qwen3,
             other => return load_err(format!("{}: unsupported GGUF architecture {other:?}; stepllm reads llama, qwen2 and qwen3", self.source)),
         };
-        self.reject_rope_scaling(arch)?;
         let key = |k: &str| format!("{arch}.{k}");
         let hidden_size = self.required_usize(&key("embedding_length"))?;
         let num_heads = self.required_usize(&key("attention.head_count"))?;
@@ -287,7 +287,7 @@ impl GgufModel {
             num_heads,
             num_kv_heads,
             head_dim,
-            rope_theta: self.optional_f64(&key("rope.freq_base"))?.unwrap_or(10000.0) as f32,
+            rope: self.rope(arch, head_dim)?,
             rms_norm_eps: self.required_f64(&key("attention.layer_norm_rms_epsilon"))? as f32,
             max_position_embeddings: self.required_usize(&key("context_length"))?,
             tie_word_embeddings: !self.tensor_index.contains_key("output.weight"),
@@ -330,19 +330,52 @@ impl GgufModel {
         Ok(ids)
     }
 
-    /// Scaled RoPE variants would silently give wrong logits with our plain RoPE; refuse them as
-    /// ModelConfig::from_hf_json does.
-    fn reject_rope_scaling(&self, arch: &str) -> Result<()> {
-        let key = format!("{arch}.rope.scaling.type");
-        if let Some(kind) = self.metadata(&key).and_then(|v| v.as_str()) {
-            if kind != "none" {
-                return load_err(format!("{}: rope scaling {kind:?} is not supported yet; only default RoPE", self.source));
+    /// RoPE's base and scaling. Linear scaling is metadata; llama.cpp's converter turns llama3 scaling into the
+    /// per-frequency factors of `rope_freqs.weight`. Other kinds (YaRN, ...) would silently give wrong logits
+    /// with these frequencies, so they are refused.
+    fn rope(&self, arch: &str, head_dim: usize) -> Result<Rope> {
+        let theta = self.optional_f64(&format!("{arch}.rope.freq_base"))?.unwrap_or(10000.0) as f32;
+        let kind = self.metadata(&format!("{arch}.rope.scaling.type")).and_then(|v| v.as_str()).unwrap_or("none");
+        let linear_factor = match kind {
+            "none" => None,
+            "linear" => Some(self.required_f64(&format!("{arch}.rope.scaling.factor"))? as f32),
+            other => {
+                return load_err(format!("{}: rope scaling {other:?} is not supported yet; stepllm runs none, linear and llama3 (rope_freqs.weight) RoPE", self.source))
             }
+        };
+        let factors = self.rope_frequency_factors(head_dim)?;
+        let scaling = match (linear_factor, factors) {
+            (Some(f), _) if !(f.is_finite() && f > 0.0) => {
+                return load_err(format!("{}: {arch}.rope.scaling.factor is {f}; it must be a positive number", self.source))
+            }
+            (Some(_), Some(_)) => {
+                return load_err(format!("{}: linear rope scaling together with rope_freqs.weight is not supported", self.source))
+            }
+            (Some(factor), None) if factor != 1.0 => RopeScaling::Linear { factor },
+            (_, Some(factors)) => RopeScaling::FrequencyFactors(factors.into()),
+            _ => RopeScaling::None,
+        };
+        Ok(Rope { theta, scaling })
+    }
+
+    /// `rope_freqs.weight`: one positive divisor per rotated pair.
+    fn rope_frequency_factors(&self, head_dim: usize) -> Result<Option<Vec<f32>>> {
+        if !self.tensor_index.contains_key("rope_freqs.weight") {
+            return Ok(None);
         }
-        if self.tensor_index.contains_key("rope_freqs.weight") {
-            return load_err(format!("{}: per-frequency RoPE factors (rope_freqs.weight, llama3-style scaling) are not supported yet", self.source));
+        let factors = self.dequantize("rope_freqs.weight")?.data;
+        if factors.len() != head_dim / 2 {
+            return load_err(format!(
+                "{}: rope_freqs.weight has {} factors; a head of {head_dim} values rotates {} pairs",
+                self.source,
+                factors.len(),
+                head_dim / 2
+            ));
         }
-        Ok(())
+        if let Some(bad) = factors.iter().find(|f| !(f.is_finite() && **f > 0.0)) {
+            return load_err(format!("{}: rope_freqs.weight holds {bad}; every factor must be a positive number", self.source));
+        }
+        Ok(Some(factors))
     }
 
     /// The byte-level BPE vocabulary (`tokenizer.ggml.model` "gpt2").
