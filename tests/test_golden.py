@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -149,3 +151,15 @@ def test_llama3_gguf_generates_what_transformers_does() -> None:
         out = llm.generate([r["prompt"] for r in raw], greedy(12))
     assert [o.prompt_ids for o in out] == [r["prompt_ids"] for r in raw]
     assert [o.output_ids for o in out] == [r["greedy_ids"] for r in raw]
+
+
+def test_sentencepiece_gguf_loads_and_tokenizes_as_llama_cpp() -> None:
+    """A llama GGUF with a SentencePiece vocabulary (as Llama 2, Mistral and TinyLlama GGUFs have): prompts get
+    llama.cpp's ids for the same file, BOS first, and generation runs."""
+    gguf = FIXTURES / "gguf" / "spm_vocab.gguf"
+    cases = json.loads((FIXTURES / "gguf" / "spm_vocab_expected.json").read_text())["cases"]
+    plain = [c for c in cases if c["decoded"] and c["text"].strip()]
+    with stepllm.LLM(model=str(gguf), device="cpu") as llm:
+        out = llm.generate([c["text"] for c in plain], greedy(4))
+        assert [o.prompt_ids for o in out] == [c["with_bos"] for c in plain]
+        assert all(len(o.output_ids) == 4 and isinstance(o.output_text, str) for o in out)

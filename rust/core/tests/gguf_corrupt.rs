@@ -300,3 +300,24 @@ fn gguf_rope_scaling_is_read_or_refused_by_name() {
     let rope = factors.unwrap().config().unwrap().rope;
     assert_eq!(rope.scaling, RopeScaling::FrequencyFactors(vec![1.0, 2.0, 3.0, 4.0].into()));
 }
+
+#[test]
+fn gguf_tokenizer_models_are_read_or_refused_by_name() {
+    let string = |s: &str| [&(s.len() as u64).to_le_bytes()[..], s.as_bytes()].concat();
+    let strings = |items: &[&str]| {
+        let mut out = 8u32.to_le_bytes().to_vec();
+        out.extend((items.len() as u64).to_le_bytes());
+        items.iter().for_each(|s| out.extend(string(s)));
+        out
+    };
+    let vocab_error = |b: Builder| GgufModel::from_bytes(b.build()).unwrap().vocab().unwrap_err().to_string();
+    let msg = vocab_error(llama_header().kv("tokenizer.ggml.model", 8, &string("bert")));
+    assert!(msg.contains("\"bert\" is not supported") && msg.contains("SentencePiece"), "{msg}");
+    let spm = || llama_header().kv("tokenizer.ggml.model", 8, &string("llama")).kv("tokenizer.ggml.tokens", 9, &strings(&["<unk>", "a"]));
+    assert!(vocab_error(spm()).contains("\"tokenizer.ggml.scores\" is missing"));
+    let mut scores = 6u32.to_le_bytes().to_vec();
+    scores.extend(2u64.to_le_bytes());
+    [0f32, -1.0].iter().for_each(|s| scores.extend(s.to_le_bytes()));
+    let vocab = GgufModel::from_bytes(spm().kv("tokenizer.ggml.scores", 9, &scores).build()).unwrap().vocab().unwrap();
+    assert_eq!((vocab.scores, vocab.add_space_prefix), (vec![0.0, -1.0], true));
+}

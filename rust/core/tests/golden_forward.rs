@@ -1,8 +1,9 @@
 //! Golden test: our forward against Hugging Face transformers' logits for tiny random-weight Llama (plain and
 //! with Llama 3.1's RoPE scaling), Qwen2 and Qwen3 checkpoints (tests/fixtures, made by make_fixtures.py). The
-//! same token sequences are fed in four schedules: (a) one prefill, (b) prefill then one-token decode steps, (c) every fixture row in ONE ragged
-//! batch per step with staggered starts (decodes beside prefills), (d) the prompt in two chunks.
-//! All of them go through a paged KV cache with 4-token blocks and scrambled, non-contiguous block tables.
+//! same token sequences are fed in four schedules: (a) one prefill, (b) prefill then one-token decode steps,
+//! (c) every fixture row in ONE ragged batch per step with staggered starts (decodes beside prefills), (d) the
+//! prompt in two chunks. All of them go through a paged KV cache with 4-token blocks and scrambled,
+//! non-contiguous block tables.
 
 use std::path::{Path, PathBuf};
 

@@ -40,7 +40,7 @@ fn fixture_as_gguf_vocab() -> BpeVocab {
         .iter()
         .map(|pair| format!("{} {}", pair[0].as_str().unwrap(), pair[1].as_str().unwrap()))
         .collect();
-    BpeVocab { tokens, merges, token_types, bos_id: Some(0), eos_id: Some(2), add_bos: false, pre: Some("gpt2".into()) }
+    BpeVocab { tokens, merges, token_types, bos_id: Some(0), eos_id: Some(2), pre: Some("gpt2".into()), ..Default::default() }
 }
 
 const SAMPLES: &[&str] = &[

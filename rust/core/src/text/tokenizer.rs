@@ -16,6 +16,7 @@ use tokenizers::{AddedToken, PreTokenizerWrapper, SplitDelimiterBehavior};
 
 use crate::error::{invalid, load_err, Error, Result};
 use crate::text::byte_decode::ByteTable;
+use crate::text::sentence_piece;
 
 /// GGUF `tokenizer.ggml.token_type` values (llama.cpp's `llama_token_type`).
 pub const TOKEN_TYPE_NORMAL: i32 = 1;
@@ -31,14 +32,28 @@ const LLAMA3_REGEX: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L
 const QWEN2_REGEX: &str =
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
-/// A byte-level BPE vocabulary as a GGUF file stores it (`tokenizer.ggml.model = "gpt2"`): tokens are
-/// spelled in the GPT-2 byte-to-unicode alphabet, except added tokens, which are stored as plain text.
+/// `tokenizer.ggml.model`: how a GGUF vocabulary spells text.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum VocabModel {
+    /// "gpt2": byte-level BPE with merge rules; tokens are spelled in the GPT-2 byte-to-unicode alphabet,
+    /// except added tokens, which are stored as plain text (Llama 3, Qwen, SmolLM, ...).
+    #[default]
+    ByteLevel,
+    /// "llama": SentencePiece BPE with a score per piece, spaces spelled "▁" and byte tokens `<0xXX>`
+    /// (Llama 2, Mistral, TinyLlama, ...).
+    SentencePiece,
+}
+
+/// A BPE vocabulary as a GGUF file stores it.
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct BpeVocab {
+    pub model: VocabModel,
     /// Token text by id.
     pub tokens: Vec<String>,
-    /// Merge rules in priority order, each "left right".
+    /// Merge rules in priority order, each "left right" (byte-level vocabularies).
     pub merges: Vec<String>,
+    /// One score per token, the higher merged first (SentencePiece vocabularies).
+    pub scores: Vec<f32>,
     /// GGUF token types by id (1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused, 6 byte);
     /// may be empty, meaning all normal.
     pub token_types: Vec<i32>,
@@ -46,8 +61,12 @@ pub struct BpeVocab {
     pub eos_id: Option<u32>,
     /// Prepend BOS when encoding with special tokens (`tokenizer.ggml.add_bos_token`).
     pub add_bos: bool,
-    /// `tokenizer.ggml.pre`: which pre-tokenizer the model was trained with.
+    /// `tokenizer.ggml.pre`: which pre-tokenizer the model was trained with (byte-level vocabularies).
     pub pre: Option<String>,
+    /// `tokenizer.ggml.unknown_token_id`: what a SentencePiece vocabulary gives text it cannot spell.
+    pub unk_id: Option<u32>,
+    /// `tokenizer.ggml.add_space_prefix`: a SentencePiece vocabulary puts "▁" before each run of text.
+    pub add_space_prefix: bool,
 }
 
 /// How text is split into words before BPE, per GGUF `tokenizer.ggml.pre` family.
@@ -114,10 +133,28 @@ impl Tokenizer {
         Ok(Self::wrap(inner))
     }
 
-    /// Builds a byte-level BPE tokenizer from a GGUF vocabulary, matching what the model's own
-    /// tokenizer.json would do for the `pre` families supported.
+    /// Builds the tokenizer of a GGUF vocabulary: byte-level BPE as the model's own tokenizer.json would do
+    /// for the `pre` families supported, or SentencePiece BPE as llama.cpp does.
     pub fn from_bpe_vocab(v: BpeVocab) -> Result<Self> {
         validate_vocab(&v)?;
+        match v.model {
+            VocabModel::ByteLevel => Self::byte_level(v),
+            VocabModel::SentencePiece => Self::sentence_piece(v),
+        }
+    }
+
+    fn sentence_piece(v: BpeVocab) -> Result<Self> {
+        let mut inner = tokenizers::Tokenizer::new(sentence_piece::model(&v)?);
+        inner.with_normalizer(Some(sentence_piece::normalizer(v.add_space_prefix)?));
+        inner.with_decoder(Some(sentence_piece::decoder(v.add_space_prefix)?));
+        inner.add_tokens(&added_tokens(&v));
+        if v.add_bos {
+            inner.with_post_processor(Some(bos_template(&v)?));
+        }
+        Ok(Self::wrap(inner))
+    }
+
+    fn byte_level(v: BpeVocab) -> Result<Self> {
         let kind = PreTokenizerKind::from_gguf_pre(v.pre.as_deref())?;
         let model = build_bpe_model(&v, kind)?;
 
@@ -194,16 +231,21 @@ impl Tokenizer {
 
     /// The bytes token `id` adds to decoded text, before they are read as UTF-8: a token holding part of a
     /// character gives that part, where its text alone is U+FFFD (OpenAI's logprobs `bytes`). Byte-fallback
-    /// tokens (`<0x0A>`) give their byte; other tokens of a tokenizer that is not byte-level give their text.
+    /// tokens (`<0x0A>`) give their byte; SentencePiece pieces give their text with "▁" as a space (which
+    /// decoding a piece alone would strip at the start); other tokens give their text.
     pub fn token_bytes(&self, id: u32) -> Result<Vec<u8>> {
         check_ids(&[id], self.vocab_size)?;
         if let Some(table) = &self.byte_table {
             return Ok(table.token_bytes(id).to_vec());
         }
-        if let Some(byte) = self.id_to_token(id).as_deref().and_then(byte_fallback_value) {
+        let token = self.id_to_token(id);
+        if let Some(byte) = token.as_deref().and_then(byte_fallback_value) {
             return Ok(vec![byte]);
         }
-        Ok(self.decode(&[id], false)?.into_bytes())
+        match token {
+            Some(piece) if piece.contains('\u{2581}') && !self.is_special(id) => Ok(piece.replace('\u{2581}', " ").into_bytes()),
+            _ => Ok(self.decode(&[id], false)?.into_bytes()),
+        }
     }
 
     /// One past the largest token id, added tokens included.
@@ -254,7 +296,7 @@ fn validate_vocab(v: &BpeVocab) -> Result<()> {
             v.tokens.len()
         ));
     }
-    for (name, id) in [("bos", v.bos_id), ("eos", v.eos_id)] {
+    for (name, id) in [("bos", v.bos_id), ("eos", v.eos_id), ("unknown", v.unk_id)] {
         if let Some(id) = id.filter(|&id| id as usize >= v.tokens.len()) {
             return load_err(format!(
                 "GGUF {name} token id {id} is outside the vocabulary of {} tokens",
@@ -308,14 +350,14 @@ fn pre_tokenizer_for(kind: PreTokenizerKind) -> Result<PreTokenizerWrapper> {
     })
 }
 
-/// Control tokens become special added tokens (matched in text, skipped on request when decoding);
+/// Control and unknown tokens (`<unk>`) become special added tokens (matched in text, skipped on request when decoding);
 /// user-defined tokens are matched in text but are ordinary text when decoding, as in Hugging Face.
 fn added_tokens(v: &BpeVocab) -> Vec<AddedToken> {
     v.tokens
         .iter()
         .enumerate()
         .filter_map(|(id, text)| match token_type(v, id) {
-            TOKEN_TYPE_CONTROL => Some(AddedToken::from(text.clone(), true)),
+            TOKEN_TYPE_CONTROL | TOKEN_TYPE_UNKNOWN => Some(AddedToken::from(text.clone(), true)),
             TOKEN_TYPE_USER_DEFINED => Some(AddedToken::from(text.clone(), false).normalized(false)),
             _ => None,
         })

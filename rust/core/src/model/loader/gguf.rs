@@ -10,7 +10,7 @@
 
 use super::gguf_quant::{self, GgmlType};
 use super::{HostTensor, WeightSource};
-use crate::text::tokenizer::BpeVocab;
+use crate::text::tokenizer::{BpeVocab, VocabModel};
 use crate::error::{load_err, Error, Result};
 use crate::model::config::{Architecture, ModelConfig};
 use crate::model::rope::{Rope, RopeScaling};
@@ -340,7 +340,11 @@ impl GgufModel {
             "none" => None,
             "linear" => Some(self.required_f64(&format!("{arch}.rope.scaling.factor"))? as f32),
             other => {
-                return load_err(format!("{}: rope scaling {other:?} is not supported yet; stepllm runs none, linear and llama3 (rope_freqs.weight) RoPE", self.source))
+                return load_err(format!(
+                    "{}: rope scaling {other:?} is not supported yet; stepllm runs none, linear and llama3 \
+                     (rope_freqs.weight) RoPE",
+                    self.source
+                ))
             }
         };
         let factors = self.rope_frequency_factors(head_dim)?;
@@ -380,15 +384,22 @@ impl GgufModel {
 
     /// The byte-level BPE vocabulary (`tokenizer.ggml.model` "gpt2").
     pub fn vocab(&self) -> Result<BpeVocab> {
-        let model = self.required("tokenizer.ggml.model")?.as_str().unwrap_or("");
-        if model != "gpt2" {
-            return load_err(format!(
-                "{}: tokenizer model {model:?} is not supported; stepllm reads byte-level BPE (\"gpt2\") vocabularies",
-                self.source
-            ));
-        }
+        let model = match self.required("tokenizer.ggml.model")?.as_str().unwrap_or("") {
+            "gpt2" => VocabModel::ByteLevel,
+            "llama" => VocabModel::SentencePiece,
+            other => {
+                return load_err(format!(
+                    "{}: tokenizer model {other:?} is not supported; stepllm reads byte-level BPE (\"gpt2\") and \
+                     SentencePiece BPE (\"llama\") vocabularies",
+                    self.source
+                ))
+            }
+        };
         let tokens = self.string_array("tokenizer.ggml.tokens")?;
-        let merges = self.string_array("tokenizer.ggml.merges")?;
+        let (merges, scores) = match model {
+            VocabModel::ByteLevel => (self.string_array("tokenizer.ggml.merges")?, Vec::new()),
+            VocabModel::SentencePiece => (Vec::new(), self.f32_array("tokenizer.ggml.scores")?),
+        };
         // Absent types mean every token is a normal one (llama.cpp's LLAMA_TOKEN_TYPE_NORMAL = 1).
         let token_types = self.i32_array("tokenizer.ggml.token_type")?.unwrap_or_else(|| vec![1; tokens.len()]);
         if token_types.len() != tokens.len() {
@@ -396,19 +407,26 @@ impl GgufModel {
         }
         let bos_id = self.optional_u32("tokenizer.ggml.bos_token_id")?;
         let eos_id = self.optional_u32("tokenizer.ggml.eos_token_id")?;
-        for (what, id) in [("bos", bos_id), ("eos", eos_id)] {
+        let unk_id = self.optional_u32("tokenizer.ggml.unknown_token_id")?;
+        for (what, id) in [("bos", bos_id), ("eos", eos_id), ("unknown", unk_id)] {
             if id.is_some_and(|id| id as usize >= tokens.len()) {
                 return load_err(format!("{}: {what} token id {} is outside the {}-token vocabulary", self.source, id.unwrap(), tokens.len()));
             }
         }
+        let flag = |key: &str| self.metadata(key).and_then(|v| v.as_bool());
         Ok(BpeVocab {
+            model,
             tokens,
             merges,
+            scores,
             token_types,
             bos_id,
             eos_id,
-            add_bos: self.metadata("tokenizer.ggml.add_bos_token").and_then(|v| v.as_bool()).unwrap_or(false),
+            add_bos: flag("tokenizer.ggml.add_bos_token").unwrap_or(false),
             pre: self.metadata("tokenizer.ggml.pre").and_then(|v| v.as_str()).map(str::to_string),
+            unk_id,
+            // llama.cpp's default for SentencePiece vocabularies that do not say.
+            add_space_prefix: model == VocabModel::SentencePiece && flag("tokenizer.ggml.add_space_prefix").unwrap_or(true),
         })
     }
 
@@ -454,6 +472,11 @@ impl GgufModel {
     fn string_array(&self, key: &str) -> Result<Vec<String>> {
         let strings = |v: &GgufValue| v.as_array()?.iter().map(|s| s.as_str().map(str::to_string)).collect();
         self.typed(key, "an array of strings", strings)?.ok_or_else(|| self.missing(key))
+    }
+
+    fn f32_array(&self, key: &str) -> Result<Vec<f32>> {
+        let floats = |v: &GgufValue| v.as_array()?.iter().map(|x| x.as_f64().map(|x| x as f32)).collect();
+        self.typed(key, "an array of numbers", floats)?.ok_or_else(|| self.missing(key))
     }
 
     fn i32_array(&self, key: &str) -> Result<Option<Vec<i32>>> {
