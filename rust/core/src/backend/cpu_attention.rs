@@ -27,6 +27,22 @@ pub struct CpuKvCache {
     values: Vec<Vec<f32>>,
 }
 
+/// `n` zeros from the allocator's zeroed memory, or None when it cannot give them. Unlike writing the zeros,
+/// this leaves a large buffer's pages to the OS until first use: a cache sized for many tokens costs memory
+/// (and load time) only as far as it fills.
+fn zeroed_floats(n: usize) -> Option<Vec<f32>> {
+    if n == 0 {
+        return Some(Vec::new());
+    }
+    let layout = std::alloc::Layout::array::<f32>(n).ok()?;
+    // SAFETY: the layout is non-empty; the pointer comes from the global allocator with exactly the layout a
+    // Vec<f32> of capacity n uses, and all-zero bits are the f32 0.0, so all n elements are initialized.
+    unsafe {
+        let ptr = std::alloc::alloc_zeroed(layout).cast::<f32>();
+        (!ptr.is_null()).then(|| Vec::from_raw_parts(ptr, n, n))
+    }
+}
+
 impl CpuKvCache {
     pub(super) fn new(shape: KvCacheShape) -> Result<Self> {
         let per_layer = shape
@@ -34,13 +50,10 @@ impl CpuKvCache {
             .checked_mul(shape.kv_dim())
             .ok_or_else(|| Error::Device(format!("KV cache of {shape:?} overflows the address space")))?;
         let layer_buffer = || -> Result<Vec<f32>> {
-            let mut buffer = Vec::new();
-            buffer.try_reserve_exact(per_layer).map_err(|_| {
+            zeroed_floats(per_layer).ok_or_else(|| {
                 let gib = (2 * shape.num_layers * per_layer * 4) as f64 / (1u64 << 30) as f64;
                 Error::Device(format!("cannot allocate a {gib:.2} GiB KV cache; ask for fewer blocks"))
-            })?;
-            buffer.resize(per_layer, 0.0);
-            Ok(buffer)
+            })
         };
         let mut keys = Vec::with_capacity(shape.num_layers);
         let mut values = Vec::with_capacity(shape.num_layers);
@@ -277,6 +290,14 @@ fn check_qkv(qkv: &CpuTensor, shape: &AttentionShape, plan: &BatchPlan) -> Resul
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn zeroed_floats_are_zeros_or_none() {
+        assert_eq!(zeroed_floats(0), Some(Vec::new()));
+        let zeros = zeroed_floats(1 << 20).unwrap();
+        assert!(zeros.len() == 1 << 20 && zeros.iter().all(|&x| x == 0.0 && x.is_sign_positive()));
+        assert_eq!(zeroed_floats(usize::MAX / 2), None, "an impossible size is refused, not a panic");
+    }
 
     /// A layer of `num_blocks` blocks filled with noise, and the same values as plain per-slot rows
     /// `[slot][kv_head][head_dim]` for the naive reference.

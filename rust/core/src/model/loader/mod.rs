@@ -69,10 +69,14 @@ impl HostTensor {
         assert!(parts.iter().all(|p| p.shape.len() == 2 && p.cols() == cols), "stack_rows needs matrices of one width");
         let rows = parts.iter().map(|p| p.shape[0]).sum();
         let group = parts.iter().map(|p| p.blocks.as_ref().map(|b| b.group)).collect::<Option<Vec<_>>>().and_then(|g| g.into_iter().min());
-        let mut stacked = HostTensor::new(vec![rows, cols], Vec::with_capacity(rows * cols));
-        let mut blocks = group.map(|group| HostBlocks { group, levels: Vec::new(), scales: Vec::new(), mins: Vec::new() });
+        let mut parts = parts.into_iter();
+        let Some(first) = parts.next() else { return HostTensor::new(vec![0, 0], Vec::new()) };
+        // The first part's buffers grow into the result: the allocator remaps a large buffer instead of copying it.
+        let mut data = first.data;
+        data.reserve_exact(rows * cols - data.len());
+        let mut blocks = group.zip(first.blocks).map(|(group, b)| b.regrouped(group));
         for part in parts {
-            stacked.data.extend_from_slice(&part.data);
+            data.extend_from_slice(&part.data);
             if let (Some(all), Some(own)) = (blocks.as_mut(), part.blocks) {
                 let own = own.regrouped(all.group);
                 all.levels.extend_from_slice(&own.levels);
@@ -80,8 +84,7 @@ impl HostTensor {
                 all.mins.extend_from_slice(&own.mins);
             }
         }
-        stacked.blocks = blocks;
-        stacked
+        HostTensor { shape: vec![rows, cols], data, blocks }
     }
 
     /// Append a row of zeros (blocks included: level 0 with scale and minimum 0 is +0).
