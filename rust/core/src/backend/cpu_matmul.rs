@@ -63,6 +63,8 @@ pub enum Levels<'a> {
 #[derive(Debug, Clone, Copy)]
 pub enum Constants<'a> {
     /// f16 bit patterns: half the bytes, when every constant is an f16 value (Q4_0, Q4_1, Q8_0, ...).
+    /// `mins` is empty where every minimum is -0.0 (formats that subtract none: Q8_0, Q4_0, Q6_K, ...), since
+    /// `fma(q, scale, -0.0)` is `q * scale` exactly; the kernels then stream no minimums.
     F16 { scales: &'a [u16], mins: &'a [u16] },
     F32 { scales: &'a [f32], mins: &'a [f32] },
 }
@@ -84,16 +86,17 @@ impl Constants<'_> {
     /// The scale and minimum at `at`.
     fn get(self, at: usize) -> (f32, f32) {
         match self {
-            Constants::F16 { scales, mins } => (f16_to_f32(scales[at]), f16_to_f32(mins[at])),
-            Constants::F32 { scales, mins } => (scales[at], mins[at]),
+            Constants::F16 { scales, mins } => (f16_to_f32(scales[at]), mins.get(at).map_or(-0.0, |&m| f16_to_f32(m))),
+            Constants::F32 { scales, mins } => (scales[at], mins.get(at).copied().unwrap_or(-0.0)),
         }
     }
 
-    /// How many scale-minimum pairs are stored.
+    /// How many scale-minimum pairs are stored (empty minimums stand for -0.0 everywhere).
     fn len(self) -> usize {
+        let pairs = |scales: usize, mins: usize| if mins == 0 { scales } else { scales.min(mins) };
         match self {
-            Constants::F16 { scales, mins } => scales.len().min(mins.len()),
-            Constants::F32 { scales, mins } => scales.len().min(mins.len()),
+            Constants::F16 { scales, mins } => pairs(scales.len(), mins.len()),
+            Constants::F32 { scales, mins } => pairs(scales.len(), mins.len()),
         }
     }
 }
@@ -237,7 +240,7 @@ impl BlockMatrix {
 
 /// The row-major `[n, k]` matrix `data` in the exact blocked form of `blocks`, the integer blocks it was
 /// dequantized from: 4-bit levels when every level is in 0..=15 (or -8..=7, stored plus 8), f16 constants when
-/// every one is an f16 value.
+/// every one is an f16 value, no minimums when every one is -0.0.
 /// None when some weight does not come back bit for bit from its level, scale and minimum (so nothing a loader
 /// hands over can change a result), or when the groups do not suit the kernels.
 pub fn pack_blocks(data: &[f32], blocks: &HostBlocks, n: usize, k: usize) -> Option<BlockMatrix> {
@@ -270,12 +273,14 @@ fn pack_constants(blocks: &HostBlocks, n: usize, k: usize) -> BlockConstants {
     }
     let all_f16 = blocks.scales.iter().chain(&blocks.mins).all(|&c| f16_bits_of(c).is_some());
     debug_assert_eq!(blocks.scales.len(), n * per_row);
+    // Bit for bit -0.0 only: `fma(q, s, +0.0)` and `q * s` differ in the sign of a zero product.
+    let mins: &[f32] = if blocks.mins.iter().all(|m| m.to_bits() == (-0.0f32).to_bits()) { &[] } else { &blocks.mins };
     if all_f16 {
         let bits = |v: &[f32]| place(v.iter().map(|&c| half::f16::from_f32(c).to_bits()), n, k, group);
-        BlockConstants::F16 { scales: bits(&blocks.scales), mins: bits(&blocks.mins) }
+        BlockConstants::F16 { scales: bits(&blocks.scales), mins: if mins.is_empty() { Vec::new() } else { bits(mins) } }
     } else {
         let floats = |v: &[f32]| place(v.iter().copied(), n, k, group);
-        BlockConstants::F32 { scales: floats(&blocks.scales), mins: floats(&blocks.mins) }
+        BlockConstants::F32 { scales: floats(&blocks.scales), mins: if mins.is_empty() { Vec::new() } else { floats(mins) } }
     }
 }
 
@@ -606,20 +611,28 @@ mod tests {
 
     /// Every quantized type we read: how its levels are kept ("bytes", "nibbles", or "signed" nibbles, minus 8),
     /// whether its constants are f16, and its group.
-    const BLOCK_TYPES: [(GgmlType, &str, bool, usize); 12] = [
-        (GgmlType::Q8_0, "bytes", true, 32),
-        (GgmlType::Q4_0, "signed", true, 32),
-        (GgmlType::Q4_1, "nibbles", true, 32),
-        (GgmlType::Q5_0, "bytes", true, 32),
-        (GgmlType::Q5_1, "bytes", true, 32),
-        (GgmlType::IQ4_NL, "bytes", true, 32),
-        (GgmlType::Q2_K, "nibbles", false, 16),
-        (GgmlType::Q3_K, "signed", false, 16),
-        (GgmlType::Q4_K, "nibbles", false, 32),
-        (GgmlType::Q5_K, "bytes", false, 32),
-        (GgmlType::Q6_K, "bytes", false, 16),
-        (GgmlType::IQ4_XS, "bytes", false, 32),
+    /// Each type's levels, whether its constants are f16 values, its group, and whether it subtracts minimums.
+    const BLOCK_TYPES: [(GgmlType, &str, bool, usize, bool); 12] = [
+        (GgmlType::Q8_0, "bytes", true, 32, false),
+        (GgmlType::Q4_0, "signed", true, 32, false),
+        (GgmlType::Q4_1, "nibbles", true, 32, true),
+        (GgmlType::Q5_0, "bytes", true, 32, false),
+        (GgmlType::Q5_1, "bytes", true, 32, true),
+        (GgmlType::IQ4_NL, "bytes", true, 32, false),
+        (GgmlType::Q2_K, "nibbles", false, 16, true),
+        (GgmlType::Q3_K, "signed", false, 16, false),
+        (GgmlType::Q4_K, "nibbles", false, 32, true),
+        (GgmlType::Q5_K, "bytes", false, 32, true),
+        (GgmlType::Q6_K, "bytes", false, 16, false),
+        (GgmlType::IQ4_XS, "bytes", false, 32, false),
     ];
+
+    fn stores_mins(blocks: &BlockMatrix) -> bool {
+        match &blocks.constants {
+            BlockConstants::F16 { mins, .. } => !mins.is_empty(),
+            BlockConstants::F32 { mins, .. } => !mins.is_empty(),
+        }
+    }
 
     fn levels_kind(blocks: &BlockMatrix) -> &'static str {
         match blocks.levels {
@@ -645,7 +658,7 @@ mod tests {
     fn blocks_equal_the_f32_matmul_bit_for_bit_with_every_kernel_set() {
         for kernels in Kernels::supported() {
             for (i, (m, k, n)) in BLOCK_SHAPES.into_iter().enumerate() {
-                for (ty, kind, f16s, group) in BLOCK_TYPES {
+                for (ty, kind, f16s, group, mins) in BLOCK_TYPES {
                     let what = format!("{kernels:?} {} m={m} k={k} n={n}", ty.name());
                     let (x, _) = inputs(m, k, n);
                     let w = quantized(ty, n, k, i as u64 + 1);
@@ -653,6 +666,7 @@ mod tests {
                     assert_eq!(levels_kind(&blocks), kind, "{what}: levels");
                     assert_eq!(matches!(blocks.constants, BlockConstants::F16 { .. }), f16s, "{what}: f16 constants");
                     assert_eq!(blocks.group, group, "{what}: group");
+                    assert_eq!(stores_mins(&blocks), mins, "{what}: minimums stored");
                     let (mut ours, mut exact) = (vec![f32::NAN; m * n], vec![f32::NAN; m * n]);
                     matmul_with(kernels, &x, blocks.weights(), &mut ours, m, k, n);
                     matmul_with(kernels, &x, Weights::F32(&pack_f32(&w.data, n, k)), &mut exact, m, k, n);

@@ -74,7 +74,8 @@ mod imp {
     }
 
     fn blocks<C: Constant>(scales: &[C], mins: &[C], group: usize) -> Blocks<C> {
-        Blocks { scales: scales.as_ptr(), mins: mins.as_ptr(), group }
+        let mins = if mins.is_empty() { std::ptr::null() } else { mins.as_ptr() };
+        Blocks { scales: scales.as_ptr(), mins, group }
     }
 
     /// # Safety

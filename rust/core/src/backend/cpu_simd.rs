@@ -305,6 +305,7 @@ mod imp {
     #[derive(Clone, Copy)]
     pub struct Blocks<C: Constant> {
         pub scales: *const C,
+        /// Null where every minimum is -0.0 (nothing stored, nothing streamed).
         pub mins: *const C,
         pub group: usize,
     }
@@ -322,7 +323,8 @@ mod imp {
         #[inline(always)]
         unsafe fn group<I: Isa>(self, c: usize, p: usize, k: usize) -> (I::V, I::V) {
             let at = super::super::cpu_matmul::block_param_index(c, p, k, self.group);
-            (C::load::<I>(self.scales.add(at)), C::load::<I>(self.mins.add(at)))
+            let min = if self.mins.is_null() { I::splat(-0.0) } else { C::load::<I>(self.mins.add(at)) };
+            (C::load::<I>(self.scales.add(at)), min)
         }
 
         #[inline(always)]
