@@ -17,7 +17,7 @@ use std::sync::OnceLock;
 
 use super::cpu_matmul_x86 as x86;
 use super::cpu_simd;
-use crate::model::loader::HostBlocks;
+use crate::model::loader::{Factors, HostBlocks};
 
 /// Output columns per stored panel: two AVX-512 vectors, four AVX2 ones.
 pub const PANEL: usize = 32;
@@ -67,6 +67,10 @@ pub enum Constants<'a> {
     /// `fma(q, scale, -0.0)` is `q * scale` exactly; the kernels then stream no minimums.
     F16 { scales: &'a [u16], mins: &'a [u16] },
     F32 { scales: &'a [f32], mins: &'a [f32] },
+    /// The K-quants' constants as a factor per super-block of `super_group` weights (f32 at the super-block's
+    /// [`block_param_index`]) times an integer step per group: exactly the scales and minimums, a byte per
+    /// group instead of four. `min_steps` and `min_factors` are empty where every minimum is -0.0.
+    Factored { scale_factors: &'a [f32], scale_steps: &'a [i8], min_factors: &'a [f32], min_steps: &'a [i8], super_group: usize },
 }
 
 impl Levels<'_> {
@@ -83,20 +87,35 @@ impl Levels<'_> {
 }
 
 impl Constants<'_> {
-    /// The scale and minimum at `at`.
-    fn get(self, at: usize) -> (f32, f32) {
+    /// The scale and minimum of weight row `c` at column `p` (of `k`), in groups of `group`.
+    fn get(self, c: usize, p: usize, k: usize, group: usize) -> (f32, f32) {
+        let at = block_param_index(c, p, k, group);
         match self {
             Constants::F16 { scales, mins } => (f16_to_f32(scales[at]), mins.get(at).map_or(-0.0, |&m| f16_to_f32(m))),
             Constants::F32 { scales, mins } => (scales[at], mins.get(at).copied().unwrap_or(-0.0)),
+            Constants::Factored { scale_factors, scale_steps, min_factors, min_steps, super_group } => {
+                let sup = block_param_index(c, p, k, super_group);
+                let min = min_steps.get(at).map_or(-0.0, |&s| min_factors[sup] * s as f32);
+                (scale_factors[sup] * scale_steps[at] as f32, min)
+            }
         }
     }
 
-    /// How many scale-minimum pairs are stored (empty minimums stand for -0.0 everywhere).
-    fn len(self) -> usize {
-        let pairs = |scales: usize, mins: usize| if mins == 0 { scales } else { scales.min(mins) };
+    /// Whether the constants cover `rows` rows (padded) of `k` columns in groups of `group` (empty minimums
+    /// stand for -0.0 everywhere).
+    fn cover(self, rows: usize, k: usize, group: usize) -> bool {
+        let (groups, covers) = (rows * (k / group), |len: usize, need: usize| len >= need);
+        let optional = |len: usize, need: usize| len == 0 || len >= need;
         match self {
-            Constants::F16 { scales, mins } => pairs(scales.len(), mins.len()),
-            Constants::F32 { scales, mins } => pairs(scales.len(), mins.len()),
+            Constants::F16 { scales, mins } => covers(scales.len(), groups) && optional(mins.len(), groups),
+            Constants::F32 { scales, mins } => covers(scales.len(), groups) && optional(mins.len(), groups),
+            Constants::Factored { scale_factors, scale_steps, min_factors, min_steps, super_group } => {
+                let supers = rows * (k / super_group);
+                covers(scale_steps.len(), groups)
+                    && covers(scale_factors.len(), supers)
+                    && optional(min_steps.len(), groups)
+                    && (min_steps.is_empty() || covers(min_factors.len(), supers))
+            }
         }
     }
 }
@@ -148,7 +167,7 @@ impl Weights<'_> {
             }
             Weights::Blocks(BlockWeights { levels, constants, group }) => {
                 out.iter_mut().enumerate().for_each(|(p, o)| {
-                    let (scale, min) = constants.get(block_param_index(r, p, k, *group));
+                    let (scale, min) = constants.get(r, p, k, *group);
                     *o = levels.level(r, p, k).mul_add(scale, min);
                 })
             }
@@ -210,6 +229,7 @@ pub enum BlockLevels {
 pub enum BlockConstants {
     F16 { scales: Vec<u16>, mins: Vec<u16> },
     F32 { scales: Vec<f32>, mins: Vec<f32> },
+    Factored { scale_factors: Vec<f32>, scale_steps: Vec<i8>, min_factors: Vec<f32>, min_steps: Vec<i8>, super_group: usize },
 }
 
 impl BlockMatrix {
@@ -222,6 +242,9 @@ impl BlockMatrix {
             + match &self.constants {
                 BlockConstants::F16 { scales, mins } => 2 * (scales.len() + mins.len()),
                 BlockConstants::F32 { scales, mins } => 4 * (scales.len() + mins.len()),
+                BlockConstants::Factored { scale_factors, scale_steps, min_factors, min_steps, .. } => {
+                    4 * (scale_factors.len() + min_factors.len()) + scale_steps.len() + min_steps.len()
+                }
             }
     }
 
@@ -233,6 +256,9 @@ impl BlockMatrix {
         let constants = match &self.constants {
             BlockConstants::F16 { scales, mins } => Constants::F16 { scales, mins },
             BlockConstants::F32 { scales, mins } => Constants::F32 { scales, mins },
+            BlockConstants::Factored { scale_factors, scale_steps, min_factors, min_steps, super_group } => {
+                Constants::Factored { scale_factors, scale_steps, min_factors, min_steps, super_group: *super_group }
+            }
         };
         Weights::Blocks(BlockWeights { levels, constants, group: self.group })
     }
@@ -275,6 +301,13 @@ fn pack_constants(blocks: &HostBlocks, n: usize, k: usize) -> BlockConstants {
     debug_assert_eq!(blocks.scales.len(), n * per_row);
     // Bit for bit -0.0 only: `fma(q, s, +0.0)` and `q * s` differ in the sign of a zero product.
     let mins: &[f32] = if blocks.mins.iter().all(|m| m.to_bits() == (-0.0f32).to_bits()) { &[] } else { &blocks.mins };
+    if let Some(f) = blocks.factors.as_ref().filter(|f| factors_suit(f, blocks, k)) {
+        let super_group = group * f.per_super;
+        let supers = |v: &[f32]| place(v.iter().copied(), n, k, super_group);
+        let steps = |v: &[i8]| place(v.iter().copied(), n, k, group);
+        let (min_factors, min_steps) = if mins.is_empty() { (Vec::new(), Vec::new()) } else { (supers(&f.min_factors), steps(&f.min_steps)) };
+        return BlockConstants::Factored { scale_factors: supers(&f.scale_factors), scale_steps: steps(&f.scale_steps), min_factors, min_steps, super_group };
+    }
     if all_f16 {
         let bits = |v: &[f32]| place(v.iter().map(|&c| half::f16::from_f32(c).to_bits()), n, k, group);
         BlockConstants::F16 { scales: bits(&blocks.scales), mins: if mins.is_empty() { Vec::new() } else { bits(mins) } }
@@ -282,6 +315,13 @@ fn pack_constants(blocks: &HostBlocks, n: usize, k: usize) -> BlockConstants {
         let floats = |v: &[f32]| place(v.iter().copied(), n, k, group);
         BlockConstants::F32 { scales: floats(&blocks.scales), mins: if mins.is_empty() { Vec::new() } else { floats(mins) } }
     }
+}
+
+/// Whether factored constants can stand for `blocks`' constants: super-blocks of a power of two that divides a
+/// row, and every product exact.
+fn factors_suit(f: &Factors, blocks: &HostBlocks, k: usize) -> bool {
+    let super_group = blocks.group * f.per_super;
+    super_group.is_power_of_two() && k.is_multiple_of(super_group) && f.rebuild(&blocks.scales, &blocks.mins)
 }
 
 /// 4-bit values `level(row, column)` in the nibble layout, padding rows `pad` (the nibble of level 0).
@@ -401,8 +441,8 @@ pub fn matmul_with(kernels: Kernels, x: &[f32], w: Weights, out: &mut [f32], m: 
         );
         assert!(k.is_multiple_of(group), "a blocked matmul needs whole groups of {group} in k = {k}");
         assert!(
-            constants.len() >= padded_rows(n) * (k / group),
-            "a blocked matmul needs a scale and a minimum per group"
+            constants.cover(padded_rows(n), k, group),
+            "a blocked matmul needs a scale (and a minimum, unless none is stored) per group"
         );
     }
     assert!(Kernels::supported().contains(&kernels), "{kernels:?} kernels are not supported by this CPU");
@@ -611,26 +651,35 @@ mod tests {
 
     /// Every quantized type we read: how its levels are kept ("bytes", "nibbles", or "signed" nibbles, minus 8),
     /// whether its constants are f16, and its group.
-    /// Each type's levels, whether its constants are f16 values, its group, and whether it subtracts minimums.
-    const BLOCK_TYPES: [(GgmlType, &str, bool, usize, bool); 12] = [
-        (GgmlType::Q8_0, "bytes", true, 32, false),
-        (GgmlType::Q4_0, "signed", true, 32, false),
-        (GgmlType::Q4_1, "nibbles", true, 32, true),
-        (GgmlType::Q5_0, "bytes", true, 32, false),
-        (GgmlType::Q5_1, "bytes", true, 32, true),
-        (GgmlType::IQ4_NL, "bytes", true, 32, false),
-        (GgmlType::Q2_K, "nibbles", false, 16, true),
-        (GgmlType::Q3_K, "signed", false, 16, false),
-        (GgmlType::Q4_K, "nibbles", false, 32, true),
-        (GgmlType::Q5_K, "bytes", false, 32, true),
-        (GgmlType::Q6_K, "bytes", false, 16, false),
-        (GgmlType::IQ4_XS, "bytes", false, 32, false),
+    /// Each type's levels, how its constants are kept, its group, and whether it subtracts minimums.
+    const BLOCK_TYPES: [(GgmlType, &str, &str, usize, bool); 12] = [
+        (GgmlType::Q8_0, "bytes", "f16", 32, false),
+        (GgmlType::Q4_0, "signed", "f16", 32, false),
+        (GgmlType::Q4_1, "nibbles", "f16", 32, true),
+        (GgmlType::Q5_0, "bytes", "f16", 32, false),
+        (GgmlType::Q5_1, "bytes", "f16", 32, true),
+        (GgmlType::IQ4_NL, "bytes", "f16", 32, false),
+        (GgmlType::Q2_K, "nibbles", "factored", 16, true),
+        (GgmlType::Q3_K, "signed", "factored", 16, false),
+        (GgmlType::Q4_K, "nibbles", "factored", 32, true),
+        (GgmlType::Q5_K, "bytes", "factored", 32, true),
+        (GgmlType::Q6_K, "bytes", "factored", 16, false),
+        (GgmlType::IQ4_XS, "bytes", "factored", 32, false),
     ];
 
     fn stores_mins(blocks: &BlockMatrix) -> bool {
         match &blocks.constants {
             BlockConstants::F16 { mins, .. } => !mins.is_empty(),
             BlockConstants::F32 { mins, .. } => !mins.is_empty(),
+            BlockConstants::Factored { min_steps, .. } => !min_steps.is_empty(),
+        }
+    }
+
+    fn constants_kind(blocks: &BlockMatrix) -> &'static str {
+        match blocks.constants {
+            BlockConstants::F16 { .. } => "f16",
+            BlockConstants::F32 { .. } => "f32",
+            BlockConstants::Factored { .. } => "factored",
         }
     }
 
@@ -658,13 +707,13 @@ mod tests {
     fn blocks_equal_the_f32_matmul_bit_for_bit_with_every_kernel_set() {
         for kernels in Kernels::supported() {
             for (i, (m, k, n)) in BLOCK_SHAPES.into_iter().enumerate() {
-                for (ty, kind, f16s, group, mins) in BLOCK_TYPES {
+                for (ty, kind, constants, group, mins) in BLOCK_TYPES {
                     let what = format!("{kernels:?} {} m={m} k={k} n={n}", ty.name());
                     let (x, _) = inputs(m, k, n);
                     let w = quantized(ty, n, k, i as u64 + 1);
                     let blocks = packed(&w).unwrap_or_else(|| panic!("{what}: no exact blocks"));
                     assert_eq!(levels_kind(&blocks), kind, "{what}: levels");
-                    assert_eq!(matches!(blocks.constants, BlockConstants::F16 { .. }), f16s, "{what}: f16 constants");
+                    assert_eq!(constants_kind(&blocks), constants, "{what}: constants");
                     assert_eq!(blocks.group, group, "{what}: group");
                     assert_eq!(stores_mins(&blocks), mins, "{what}: minimums stored");
                     let (mut ours, mut exact) = (vec![f32::NAN; m * n], vec![f32::NAN; m * n]);
@@ -706,6 +755,34 @@ mod tests {
         }
         let without = HostTensor::stack_rows(vec![parts[0].clone(), HostTensor::new(vec![8, 512], vec![0.5; 8 * 512])]);
         assert!(without.blocks.is_none(), "a part with no blocks leaves the stack without");
+        // Q8_0 has no super-block factors, so the three keep f32 constants; the two K-quants keep their factors.
+        assert_eq!(constants_kind(&blocks), "f32");
+        let k_quants = HostTensor::stack_rows(parts[..2].to_vec());
+        assert_eq!(constants_kind(&packed(&k_quants).expect("exact")), "factored");
+    }
+
+    /// Un-permuting rows (GGUF q/k) and a zero row (a vocabulary shard) keep factored constants exact.
+    #[test]
+    fn reordered_and_padded_k_quants_stay_factored_and_exact() {
+        let w = quantized(GgmlType::Q4_K, 24, 512, 9);
+        let order: Vec<usize> = (0..24).rev().collect();
+        let mut moved = w.with_rows(&order);
+        moved.append_zero_row();
+        let (n, k) = (25, 512);
+        let blocks = packed(&moved).expect("exact");
+        assert_eq!(constants_kind(&blocks), "factored");
+        let mut row = vec![0.0; k];
+        for r in [0, 7, 23, 24] {
+            blocks.weights().row_to_f32(r, &mut row);
+            assert_eq!(bits(&row), bits(&moved.data[r * k..(r + 1) * k]), "row {r}");
+        }
+        for kernels in Kernels::supported() {
+            let (x, _) = inputs(3, k, n);
+            let (mut ours, mut exact) = (vec![f32::NAN; 3 * n], vec![f32::NAN; 3 * n]);
+            matmul_with(kernels, &x, blocks.weights(), &mut ours, 3, k, n);
+            matmul_with(kernels, &x, Weights::F32(&pack_f32(&moved.data, n, k)), &mut exact, 3, k, n);
+            assert_eq!(bits(&ours), bits(&exact), "{kernels:?}");
+        }
     }
 
     #[test]

@@ -27,7 +27,7 @@ pub unsafe fn panels(_: bool, _: &[f32], _: Weights, _: *mut f32, _: usize, _: u
 #[cfg(target_arch = "x86_64")]
 mod imp {
     use super::super::cpu_matmul::{BlockWeights, Constants, Levels, PANEL};
-    use super::super::cpu_simd::{Avx2, Avx512, Bf16, Blocks, Constant, Format, Int8, Isa, Nibbles, F32};
+    use super::super::cpu_simd::{Avx2, Avx512, Bf16, Blocks, Constant, Factored, Format, GroupConstants, Int8, Isa, Nibbles, Stored, F32};
     use super::Weights;
     use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
 
@@ -54,28 +54,35 @@ mod imp {
             Weights::F32(w) => run_on(wide, F32, x, w.as_ptr(), out, at),
             Weights::Bf16(w) => run_on(wide, Bf16, x, w.as_ptr(), out, at),
             Weights::Int8 { values, scales } => run_on(wide, Int8(scales.as_ptr()), x, values.as_ptr(), out, at),
-            Weights::Blocks(BlockWeights { levels, constants, group }) => match (levels, constants) {
-                (Levels::Bytes(v), Constants::F16 { scales, mins }) => run_on(wide, blocks(scales, mins, group), x, v.as_ptr(), out, at),
-                (Levels::Bytes(v), Constants::F32 { scales, mins }) => run_on(wide, blocks(scales, mins, group), x, v.as_ptr(), out, at),
-                (Levels::Nibbles { values: v, signed: false }, Constants::F16 { scales, mins }) => {
-                    run_on(wide, Nibbles::<_, false>(blocks(scales, mins, group)), x, v.as_ptr(), out, at)
-                }
-                (Levels::Nibbles { values: v, signed: false }, Constants::F32 { scales, mins }) => {
-                    run_on(wide, Nibbles::<_, false>(blocks(scales, mins, group)), x, v.as_ptr(), out, at)
-                }
-                (Levels::Nibbles { values: v, signed: true }, Constants::F16 { scales, mins }) => {
-                    run_on(wide, Nibbles::<_, true>(blocks(scales, mins, group)), x, v.as_ptr(), out, at)
-                }
-                (Levels::Nibbles { values: v, signed: true }, Constants::F32 { scales, mins }) => {
-                    run_on(wide, Nibbles::<_, true>(blocks(scales, mins, group)), x, v.as_ptr(), out, at)
+            Weights::Blocks(BlockWeights { levels, constants, group }) => match constants {
+                Constants::F16 { scales, mins } => blocks_on(wide, levels, Blocks { constants: stored(scales, mins), group }, x, out, at),
+                Constants::F32 { scales, mins } => blocks_on(wide, levels, Blocks { constants: stored(scales, mins), group }, x, out, at),
+                Constants::Factored { scale_factors, scale_steps, min_factors, min_steps, super_group } => {
+                    let factored = Factored {
+                        scale_factors: scale_factors.as_ptr(),
+                        scale_steps: scale_steps.as_ptr(),
+                        min_factors: min_factors.as_ptr(),
+                        min_steps: if min_steps.is_empty() { std::ptr::null() } else { min_steps.as_ptr() },
+                        super_group,
+                    };
+                    blocks_on(wide, levels, Blocks { constants: factored, group }, x, out, at)
                 }
             },
         }
     }
 
-    fn blocks<C: Constant>(scales: &[C], mins: &[C], group: usize) -> Blocks<C> {
-        let mins = if mins.is_empty() { std::ptr::null() } else { mins.as_ptr() };
-        Blocks { scales: scales.as_ptr(), mins, group }
+    fn stored<C: Constant>(scales: &[C], mins: &[C]) -> Stored<C> {
+        Stored { scales: scales.as_ptr(), mins: if mins.is_empty() { std::ptr::null() } else { mins.as_ptr() } }
+    }
+
+    /// # Safety
+    /// As [`panels`].
+    unsafe fn blocks_on<S: GroupConstants>(wide: bool, levels: Levels, blocks: Blocks<S>, x: *const f32, out: *mut f32, at: Geometry) {
+        match levels {
+            Levels::Bytes(v) => run_on(wide, blocks, x, v.as_ptr(), out, at),
+            Levels::Nibbles { values, signed: false } => run_on(wide, Nibbles::<_, false>(blocks), x, values.as_ptr(), out, at),
+            Levels::Nibbles { values, signed: true } => run_on(wide, Nibbles::<_, true>(blocks), x, values.as_ptr(), out, at),
+        }
     }
 
     /// # Safety

@@ -299,18 +299,66 @@ mod imp {
         }
     }
 
-    /// Groups of `group` k steps (a power of two, a multiple of 4): `w = fma(q, scale, min)` with the group's
-    /// scale and minimum per weight row, stored as `cpu_matmul::BlockWeights` lays them out. One fused
-    /// multiply-add gives exactly the f32 weight it stands for (see `cpu_matmul::pack_blocks`).
+    /// Where the kernel finds a group's scales and minimums.
+    pub trait GroupConstants: Copy {
+        /// The scales and minimums of weight rows `c..c + LANES` at k step `p` (of `k`), in groups of `group`.
+        unsafe fn get<I: Isa>(self, c: usize, p: usize, k: usize, group: usize) -> (I::V, I::V);
+    }
+
+    /// Stored per group at `cpu_matmul::block_param_index`; `mins` is null where every minimum is -0.0
+    /// (nothing stored, nothing streamed).
     #[derive(Clone, Copy)]
-    pub struct Blocks<C: Constant> {
+    pub struct Stored<C: Constant> {
         pub scales: *const C,
-        /// Null where every minimum is -0.0 (nothing stored, nothing streamed).
         pub mins: *const C,
+    }
+
+    impl<C: Constant> GroupConstants for Stored<C> {
+        #[inline(always)]
+        unsafe fn get<I: Isa>(self, c: usize, p: usize, k: usize, group: usize) -> (I::V, I::V) {
+            let at = super::super::cpu_matmul::block_param_index(c, p, k, group);
+            let min = if self.mins.is_null() { I::splat(-0.0) } else { C::load::<I>(self.mins.add(at)) };
+            (C::load::<I>(self.scales.add(at)), min)
+        }
+    }
+
+    /// A factor per super-block of `super_group` k steps times an integer step per group, as
+    /// `cpu_matmul::Constants::Factored` lays them out; the f32 product is the constant exactly. `min_steps` is
+    /// null where every minimum is -0.0.
+    #[derive(Clone, Copy)]
+    pub struct Factored {
+        pub scale_factors: *const f32,
+        pub scale_steps: *const i8,
+        pub min_factors: *const f32,
+        pub min_steps: *const i8,
+        pub super_group: usize,
+    }
+
+    impl GroupConstants for Factored {
+        #[inline(always)]
+        unsafe fn get<I: Isa>(self, c: usize, p: usize, k: usize, group: usize) -> (I::V, I::V) {
+            use super::super::cpu_matmul::block_param_index;
+            let (at, sup) = (block_param_index(c, p, k, group), block_param_index(c, p, k, self.super_group));
+            let scale = I::mul(I::load(self.scale_factors.add(sup)), I::load_i8(self.scale_steps.add(at)));
+            let min = if self.min_steps.is_null() {
+                I::splat(-0.0)
+            } else {
+                I::mul(I::load(self.min_factors.add(sup)), I::load_i8(self.min_steps.add(at)))
+            };
+            (scale, min)
+        }
+    }
+
+    /// Groups of `group` k steps (a power of two, a multiple of 4): `w = fma(q, scale, min)` with the group's
+    /// scale and minimum per weight row, from `constants`. One fused multiply-add gives exactly the f32 weight it
+    /// stands for (see `cpu_matmul::pack_blocks`).
+    #[derive(Clone, Copy)]
+    pub struct Blocks<S: GroupConstants> {
+        pub constants: S,
         pub group: usize,
     }
 
-    impl<C: Constant> Format for Blocks<C> {
+    impl<S: GroupConstants> Format for Blocks<S> {
         type Elem = i8;
         type Group<I: Isa> = (I::V, I::V);
         const WIDEN: bool = true;
@@ -322,9 +370,7 @@ mod imp {
 
         #[inline(always)]
         unsafe fn group<I: Isa>(self, c: usize, p: usize, k: usize) -> (I::V, I::V) {
-            let at = super::super::cpu_matmul::block_param_index(c, p, k, self.group);
-            let min = if self.mins.is_null() { I::splat(-0.0) } else { C::load::<I>(self.mins.add(at)) };
-            (C::load::<I>(self.scales.add(at)), min)
+            self.constants.get::<I>(c, p, k, self.group)
         }
 
         #[inline(always)]
@@ -337,9 +383,9 @@ mod imp {
     /// of a k step holds weight rows `j` (low nibble) and `j + PANEL / 2` (high nibble) of the panel. A `SIGNED`
     /// level is its nibble minus 8 (exact in f32), so levels -8..=7 (Q4_0's) take nibbles too.
     #[derive(Clone, Copy)]
-    pub struct Nibbles<C: Constant, const SIGNED: bool>(pub Blocks<C>);
+    pub struct Nibbles<S: GroupConstants, const SIGNED: bool>(pub Blocks<S>);
 
-    impl<C: Constant, const SIGNED: bool> Format for Nibbles<C, SIGNED> {
+    impl<S: GroupConstants, const SIGNED: bool> Format for Nibbles<S, SIGNED> {
         type Elem = u8;
         type Group<I: Isa> = (I::V, I::V);
         const STEP: usize = PANEL / 2;

@@ -4,7 +4,7 @@
 //! Block layouts and arithmetic follow ggml's reference `dequantize_row_*` (ggml-quants.c), so results are
 //! bit-identical to llama.cpp's and gguf-py's. All multi-byte fields are little-endian.
 
-use super::HostBlocks;
+use super::{Factors, HostBlocks};
 use crate::error::{load_err, Result};
 use half::f16;
 use rayon::prelude::*;
@@ -150,6 +150,24 @@ impl GgmlType {
     }
 }
 
+/// A K-quant super-block's factors: (d, -dmin), with -0.0 for a format that subtracts no minimum.
+type FactorReader = fn(&[u8]) -> (f32, f32);
+
+impl GgmlType {
+    /// How to read the factors of a super-block whose constants are integer multiples of them.
+    fn factors(self) -> Option<FactorReader> {
+        use GgmlType::*;
+        Some(match self {
+            Q2_K => |b| (f16_at(b, 80), -f16_at(b, 82)),
+            Q3_K => |b| (f16_at(b, 108), -0.0),
+            Q4_K | Q5_K => |b| (f16_at(b, 0), -f16_at(b, 2)),
+            Q6_K => |b| (f16_at(b, 208), -0.0),
+            IQ4_XS => |b| (f16_at(b, 0), -0.0),
+            _ => return None,
+        })
+    }
+}
+
 /// A block decoder: one block's bytes to its integer levels and, per group of elements, a scale and a minimum
 /// (see [`HostBlocks`]).
 type DecodeBlock = fn(&[u8], &mut [i8], &mut [f32], &mut [f32]);
@@ -168,7 +186,8 @@ pub fn dequantize(ty: GgmlType, data: &[u8], n_elements: usize) -> Result<(Vec<f
         GgmlType::BF16 => float(|b| f32::from_bits((u16::from_le_bytes([b[0], b[1]]) as u32) << 16)),
         _ => match ty.quantized() {
             Some((group, decode)) => {
-                let (values, blocks) = decode_blocks(ty, data, n_elements, group, decode)?;
+                let (values, mut blocks) = decode_blocks(ty, data, n_elements, group, decode)?;
+                blocks.factors = ty.factors().and_then(|read| factor_blocks(ty, data, &blocks, read));
                 Ok((values, Some(blocks)))
             }
             None => load_err(format!(
@@ -212,6 +231,7 @@ fn decode_blocks(
         levels: vec![0; n_elements],
         scales: vec![0.0; n_elements / group],
         mins: vec![0.0; n_elements / group],
+        factors: None,
     };
     let blocks_per_task = (ELEMENTS_PER_TASK / block_size).max(1);
     let groups_per_block = block_size / group;
@@ -237,6 +257,28 @@ fn decode_blocks(
             }
         });
     Ok((values, blocks))
+}
+
+/// The blocks' constants as super-block factors times integer steps, or None where one is not exactly that.
+fn factor_blocks(ty: GgmlType, data: &[u8], blocks: &HostBlocks, read: FactorReader) -> Option<Factors> {
+    let per_super = ty.block_size() / blocks.group;
+    let (scale_factors, min_factors): (Vec<f32>, Vec<f32>) = data.par_chunks_exact(ty.type_size()).map(read).unzip();
+    let steps = |values: &[f32], factors: &[f32]| -> Option<Vec<i8>> {
+        values.par_iter().enumerate().map(|(g, &v)| step_of(v, factors[g / per_super])).collect()
+    };
+    let scale_steps = steps(&blocks.scales, &scale_factors)?;
+    let min_steps = steps(&blocks.mins, &min_factors)?;
+    Some(Factors { per_super, scale_factors, scale_steps, min_factors, min_steps })
+}
+
+/// The integer `s` with `factor * s` equal to `value` bit for bit (a zero factor may need -1 for a -0.0).
+fn step_of(value: f32, factor: f32) -> Option<i8> {
+    let guess = if factor == 0.0 { 0.0 } else { (value / factor).round() };
+    [guess, -1.0, 1.0]
+        .into_iter()
+        .filter(|s| (-128.0..=127.0).contains(s))
+        .find(|&s| (factor * s).to_bits() == value.to_bits())
+        .map(|s| s as i8)
 }
 
 fn f16_at(bytes: &[u8], at: usize) -> f32 {

@@ -20,6 +20,47 @@ pub struct HostBlocks {
     pub levels: Vec<i8>,
     pub scales: Vec<f32>,
     pub mins: Vec<f32>,
+    /// The same constants as super-block factors times small integers, where the format builds them so.
+    pub factors: Option<Factors>,
+}
+
+/// A K-quant super-block's constants: one factor per super-block (its f16 `d`, or `-dmin` for minimums) times a
+/// small integer per group, so that `scales[g] == scale_factors[g / per_super] * scale_steps[g]` and likewise
+/// for `mins`, bit for bit in f32 (the product of an f16 value and a 6- or 8-bit integer is exact). A backend
+/// may keep these instead of the products: a byte per group instead of four.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Factors {
+    /// Groups per super-block.
+    pub per_super: usize,
+    pub scale_factors: Vec<f32>,
+    pub scale_steps: Vec<i8>,
+    pub min_factors: Vec<f32>,
+    pub min_steps: Vec<i8>,
+}
+
+impl Factors {
+    /// Whether every scale and minimum is its factor times its step, bit for bit.
+    pub fn rebuild(&self, scales: &[f32], mins: &[f32]) -> bool {
+        let exact = |factors: &[f32], steps: &[i8], values: &[f32]| {
+            steps.len() == values.len()
+                && factors.len() * self.per_super == values.len()
+                && values.iter().zip(steps).enumerate().all(|(g, (v, &s))| (factors[g / self.per_super] * s as f32).to_bits() == v.to_bits())
+        };
+        exact(&self.scale_factors, &self.scale_steps, scales) && exact(&self.min_factors, &self.min_steps, mins)
+    }
+
+    /// Each step repeated `times` (groups split into `times` smaller ones).
+    fn regrouped(self, times: usize) -> Factors {
+        let repeat = |v: Vec<i8>| v.into_iter().flat_map(|s| std::iter::repeat_n(s, times)).collect();
+        Factors { per_super: self.per_super * times, scale_steps: repeat(self.scale_steps), min_steps: repeat(self.min_steps), ..self }
+    }
+
+    fn extend(&mut self, other: &Factors) {
+        self.scale_factors.extend_from_slice(&other.scale_factors);
+        self.scale_steps.extend_from_slice(&other.scale_steps);
+        self.min_factors.extend_from_slice(&other.min_factors);
+        self.min_steps.extend_from_slice(&other.min_steps);
+    }
 }
 
 impl HostBlocks {
@@ -46,8 +87,15 @@ impl HostBlocks {
     /// The same values with constants per run of `group` elements (a divisor of the current group).
     fn regrouped(self, group: usize) -> HostBlocks {
         assert!(self.group.is_multiple_of(group), "cannot regroup blocks of {} into {group}", self.group);
-        let repeat = |v: Vec<f32>| v.into_iter().flat_map(|c| std::iter::repeat_n(c, self.group / group)).collect();
-        HostBlocks { group, levels: self.levels, scales: repeat(self.scales), mins: repeat(self.mins) }
+        let times = self.group / group;
+        let repeat = |v: Vec<f32>| v.into_iter().flat_map(|c| std::iter::repeat_n(c, times)).collect();
+        let factors = self.factors.map(|f| f.regrouped(times));
+        HostBlocks { group, levels: self.levels, scales: repeat(self.scales), mins: repeat(self.mins), factors }
+    }
+
+    /// Elements per super-block when the constants are factored.
+    fn super_block(&self) -> Option<usize> {
+        self.factors.as_ref().map(|f| f.per_super * self.group)
     }
 }
 
@@ -82,6 +130,14 @@ impl HostTensor {
                 all.levels.extend_from_slice(&own.levels);
                 all.scales.extend_from_slice(&own.scales);
                 all.mins.extend_from_slice(&own.mins);
+                // Factors stay only while every part has them over super-blocks of one size.
+                if all.super_block() == own.super_block() {
+                    if let (Some(mine), Some(theirs)) = (all.factors.as_mut(), own.factors.as_ref()) {
+                        mine.extend(theirs);
+                    }
+                } else {
+                    all.factors = None;
+                }
             }
         }
         HostTensor { shape: vec![rows, cols], data, blocks }
@@ -96,6 +152,13 @@ impl HostTensor {
             blocks.levels.extend(std::iter::repeat_n(0, cols));
             blocks.scales.extend(std::iter::repeat_n(0.0, cols / blocks.group));
             blocks.mins.extend(std::iter::repeat_n(0.0, cols / blocks.group));
+            if let Some(f) = blocks.factors.as_mut() {
+                let (groups, supers) = (cols / blocks.group, cols / blocks.group / f.per_super);
+                f.scale_factors.extend(std::iter::repeat_n(0.0, supers));
+                f.min_factors.extend(std::iter::repeat_n(0.0, supers));
+                f.scale_steps.extend(std::iter::repeat_n(0, groups));
+                f.min_steps.extend(std::iter::repeat_n(0, groups));
+            }
         }
     }
 
@@ -105,11 +168,19 @@ impl HostTensor {
         let gather = |v: &[f32], width: usize| order.iter().flat_map(|&r| v[r * width..(r + 1) * width].iter().copied()).collect::<Vec<_>>();
         let blocks = self.blocks.as_ref().map(|b| {
             let width = cols / b.group;
+            let steps = |v: &[i8]| order.iter().flat_map(|&r| v[r * width..(r + 1) * width].iter().copied()).collect();
             HostBlocks {
                 group: b.group,
                 levels: order.iter().flat_map(|&r| b.levels[r * cols..(r + 1) * cols].iter().copied()).collect(),
                 scales: gather(&b.scales, width),
                 mins: gather(&b.mins, width),
+                factors: b.factors.as_ref().map(|f| Factors {
+                    per_super: f.per_super,
+                    scale_factors: gather(&f.scale_factors, width / f.per_super),
+                    scale_steps: steps(&f.scale_steps),
+                    min_factors: gather(&f.min_factors, width / f.per_super),
+                    min_steps: steps(&f.min_steps),
+                }),
             }
         });
         HostTensor { shape: self.shape.clone(), data: gather(&self.data, cols), blocks }
