@@ -41,10 +41,11 @@ pub struct Factors {
 impl Factors {
     /// Whether every scale and minimum is its factor times its step, bit for bit.
     pub fn rebuild(&self, scales: &[f32], mins: &[f32]) -> bool {
+        use rayon::prelude::*;
         let exact = |factors: &[f32], steps: &[i8], values: &[f32]| {
             steps.len() == values.len()
                 && factors.len() * self.per_super == values.len()
-                && values.iter().zip(steps).enumerate().all(|(g, (v, &s))| (factors[g / self.per_super] * s as f32).to_bits() == v.to_bits())
+                && values.par_iter().zip(steps).enumerate().all(|(g, (v, &s))| (factors[g / self.per_super] * s as f32).to_bits() == v.to_bits())
         };
         exact(&self.scale_factors, &self.scale_steps, scales) && exact(&self.min_factors, &self.min_steps, mins)
     }
