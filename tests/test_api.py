@@ -159,6 +159,7 @@ def test_coordinator_queries(model_name: str) -> None:
     assert coord.capture_decoding_cuda_graph() is False
     info = coord.info()
     assert info["architecture"] == expected(model_name)["architecture"] and info["vocab_size"] == 400
+    assert info["rope"] == ("llama3" if model_name == "llama3" else "default")
     assert info["max_batch_size"] == 4 and info["kv_cache_tokens"] == 4096 and info["source"] == model_dir(model_name)
     assert info["max_prefill_tokens"] == 8192 and info["kv_cache_dtype"] == "auto"
     counts = coord.counts()

@@ -148,6 +148,7 @@ def test_llama3_gguf_generates_what_transformers_does() -> None:
     raw = [r for r in expected("llama3")["rows"] if r["kind"] == "raw"]
     gguf = FIXTURES / "gguf" / "llama3_rope.gguf"
     with stepllm.LLM(model=str(gguf), device="cpu") as llm:
+        assert llm.info()["rope"] == "per-frequency factors (rope_freqs.weight)"
         out = llm.generate([r["prompt"] for r in raw], greedy(12))
     assert [o.prompt_ids for o in out] == [r["prompt_ids"] for r in raw]
     assert [o.output_ids for o in out] == [r["greedy_ids"] for r in raw]

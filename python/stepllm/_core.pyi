@@ -479,6 +479,8 @@ class PoolCounts(TypedDict):
 class ModelInfo(TypedDict):
     source: str
     architecture: str
+    rope: str
+    """RoPE's scaling: "default", "linear", "llama3" or "per-frequency factors (rope_freqs.weight)" (a GGUF's)."""
     parameters: int
     weight_bytes: int
     """Bytes the weights take where they are kept (host memory on the CPU, device memory on a GPU)."""

@@ -143,6 +143,8 @@ pub fn cuda_available() -> bool {
 pub struct ModelInfo {
     pub source: String,
     pub architecture: String,
+    /// RoPE's scaling: "default", "linear", "llama3" or llama.cpp's per-frequency factors.
+    pub rope: String,
     pub parameters: usize,
     /// Bytes the weights take where they are kept, all ranks together.
     pub weight_bytes: usize,
@@ -229,6 +231,7 @@ impl RuntimeCoordinator {
         let info = ModelInfo {
             source,
             architecture: model_config.architecture.hf_name().to_string(),
+            rope: model_config.rope.scaling_name().to_string(),
             parameters: runner.parameter_count(),
             weight_bytes: runner.weight_bytes(),
             device: runner.device_description(),

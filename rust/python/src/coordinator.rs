@@ -33,6 +33,7 @@ pub fn info_dict<'py>(py: Python<'py>, i: &ModelInfo) -> PyResult<Bound<'py, PyD
     let d = PyDict::new(py);
     d.set_item("source", &i.source)?;
     d.set_item("architecture", &i.architecture)?;
+    d.set_item("rope", &i.rope)?;
     d.set_item("parameters", i.parameters)?;
     d.set_item("weight_bytes", i.weight_bytes)?;
     d.set_item("device", &i.device)?;

@@ -57,10 +57,10 @@ impl Rope {
         }
     }
 
-    /// What a backend reports when it can only rotate with plain RoPE.
+    /// The scaling by name, as `info` and errors report it.
     pub fn scaling_name(&self) -> &'static str {
         match self.scaling {
-            RopeScaling::None => "none",
+            RopeScaling::None => "default",
             RopeScaling::Linear { .. } => "linear",
             RopeScaling::Llama3 { .. } => "llama3",
             RopeScaling::FrequencyFactors(_) => "per-frequency factors (rope_freqs.weight)",
