@@ -104,17 +104,17 @@ impl Constants<'_> {
     /// Whether the constants cover `rows` rows (padded) of `k` columns in groups of `group` (empty minimums
     /// stand for -0.0 everywhere).
     fn cover(self, rows: usize, k: usize, group: usize) -> bool {
-        let (groups, covers) = (rows * (k / group), |len: usize, need: usize| len >= need);
+        let groups = rows * (k / group);
         let optional = |len: usize, need: usize| len == 0 || len >= need;
         match self {
-            Constants::F16 { scales, mins } => covers(scales.len(), groups) && optional(mins.len(), groups),
-            Constants::F32 { scales, mins } => covers(scales.len(), groups) && optional(mins.len(), groups),
+            Constants::F16 { scales, mins } => scales.len() >= groups && optional(mins.len(), groups),
+            Constants::F32 { scales, mins } => scales.len() >= groups && optional(mins.len(), groups),
             Constants::Factored { scale_factors, scale_steps, min_factors, min_steps, super_group } => {
                 let supers = rows * (k / super_group);
-                covers(scale_steps.len(), groups)
-                    && covers(scale_factors.len(), supers)
+                scale_steps.len() >= groups
+                    && scale_factors.len() >= supers
                     && optional(min_steps.len(), groups)
-                    && (min_steps.is_empty() || covers(min_factors.len(), supers))
+                    && (min_steps.is_empty() || min_factors.len() >= supers)
             }
         }
     }
