@@ -90,12 +90,13 @@ struct AttnConfig {
 };
 
 // What the ROPE variant needs to rotate q and k itself: per-head norm weights (null: none), their epsilon,
-// the RoPE base, and each token's cache slot.
+// the RoPE base (or a scaled RoPE's inverse frequencies), and each token's cache slot.
 struct RopeArgs {
     const float* q_norm;
     const float* k_norm;
     float eps;
     float theta;
+    const float* inv_freq;  // null: plain RoPE from theta
     const u32* slots;
 };
 
@@ -270,7 +271,7 @@ __device__ __forceinline__ void rotate_newest(const bf16* __restrict__ qkv, int 
     const auto newest_at = [&] { return cache_offset(consts.slot, g, num_kv_heads, block_size, D); };
     if (V_WARP >= G && holds_newest && warp == V_WARP) copy_v(newest_k(), newest_at());
     const float pos = (float)(ctx - 1);
-    const auto angle = [&](int i) { return rope_angle(i, pos, rope.theta, D); };
+    const auto angle = [&](int i) { return rope_angle(i, pos, rope.theta, D, rope.inv_freq); };
     for (int h = warp; h < G; h += ATTN_WARPS) {
         rope_head(qrow + h * D, rope.q_norm ? consts.norm[0] : nullptr, rope.eps, D, lane, angle,
                   [&](int i, bf16 v) { s_q[h][i] = __bfloat162float(v) * q_factor; });
@@ -588,9 +589,9 @@ __device__ void paged_attention_mma(const bf16* __restrict__ qkv, int width, con
         const bf16* qkv, int width, const u32* positions, const u32* token_seq, const u32* seq_info,           \
         const u32* block_tables, KV* k_cache, KV* v_cache, int block_size, int num_kv_heads,                    \
         float scale, bf16* out, float* partial, u32* counters, const float* q_norm, const float* k_norm,        \
-        float eps, float theta, const u32* slots) {                                                             \
+        float eps, float theta, const float* inv_freq, const u32* slots) {                                      \
         BODY(qkv, width, positions, token_seq, seq_info, block_tables, k_cache, v_cache, block_size,            \
-             num_kv_heads, scale, out, partial, counters, {q_norm, k_norm, eps, theta, slots});                 \
+             num_kv_heads, scale, out, partial, counters, {q_norm, k_norm, eps, theta, inv_freq, slots});       \
     }
 
 // The plain, the rotating and the tensor-core rotating kernel of one shape and cache element type; NAME is
@@ -609,14 +610,18 @@ __device__ void paged_attention_mma(const bf16* __restrict__ qkv, int width, con
     ROTATING_ATTENTION_KERNEL(NAME##_mma_rope_d##D##_g##G, KV, (MmaDecode<D, G, KV>::MIN_BLOCKS),               \
                               (paged_attention_mma<D, G, KV>))
 
-// Every shape the host may ask for (CudaBackend's kernel table lists the same).
-#define ATTENTION_SHAPES(NAME, KV)       \
-    ATTENTION_KERNELS(NAME, KV, 64, 1)   \
-    ATTENTION_KERNELS(NAME, KV, 64, 2)   \
-    ATTENTION_KERNELS(NAME, KV, 64, 3)   \
-    ATTENTION_KERNELS(NAME, KV, 64, 4)   \
-    ATTENTION_KERNELS(NAME, KV, 64, 8)   \
-    ATTENTION_KERNELS(NAME, KV, 128, 1)  \
-    ATTENTION_KERNELS(NAME, KV, 128, 2)  \
-    ATTENTION_KERNELS(NAME, KV, 128, 4)  \
-    ATTENTION_KERNELS(NAME, KV, 128, 8)
+// Every shape the host may ask for (DECODE_ATTENTION_SHAPES in rust/core/src/backend/cuda/backend.rs lists the
+// same): head_dim 64 or 128 with 1 to 8 query heads per KV head, which covers the Llama, Qwen2/2.5/3, Mistral and
+// SmolLM2 families (Qwen2.5-0.5B has 7, Qwen2.5-1.5B 6, Llama-3.2-3B 3).
+#define ATTENTION_GROUPS(NAME, KV, D)   \
+    ATTENTION_KERNELS(NAME, KV, D, 1)   \
+    ATTENTION_KERNELS(NAME, KV, D, 2)   \
+    ATTENTION_KERNELS(NAME, KV, D, 3)   \
+    ATTENTION_KERNELS(NAME, KV, D, 4)   \
+    ATTENTION_KERNELS(NAME, KV, D, 5)   \
+    ATTENTION_KERNELS(NAME, KV, D, 6)   \
+    ATTENTION_KERNELS(NAME, KV, D, 7)   \
+    ATTENTION_KERNELS(NAME, KV, D, 8)
+#define ATTENTION_SHAPES(NAME, KV)    \
+    ATTENTION_GROUPS(NAME, KV, 64)    \
+    ATTENTION_GROUPS(NAME, KV, 128)

@@ -15,14 +15,15 @@ template <typename KV>
 __device__ void rope_write_kv(bf16* __restrict__ qkv, int width, const float* __restrict__ q_norm,
                               const float* __restrict__ k_norm, int has_norm, float eps, const u32* __restrict__ positions,
                               const u32* __restrict__ slots, KV* __restrict__ k_cache, KV* __restrict__ v_cache,
-                              int num_heads, int num_kv_heads, int head_dim, float theta, int block_size) {
+                              int num_heads, int num_kv_heads, int head_dim, float theta,
+                              const float* __restrict__ inv_freq, int block_size) {
     using Vec = KvVec8<KV>;
     __shared__ float2 s_angle[32 * ROPE_PAIRS];
     const int t = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     // Batch metadata may be read before the wait (common.cuh says why), and the angles depend on nothing else.
     const float pos = (float)positions[t];
     const u32 slot = slots[t];
-    for (int i = threadIdx.x; i < head_dim / 2; i += blockDim.x) s_angle[i] = rope_angle(i, pos, theta, head_dim);
+    for (int i = threadIdx.x; i < head_dim / 2; i += blockDim.x) s_angle[i] = rope_angle(i, pos, theta, head_dim, inv_freq);
     kernel_begin();
     __syncthreads();
     const auto angle = [&](int i) { return s_angle[i]; };
@@ -50,9 +51,9 @@ __device__ void rope_write_kv(bf16* __restrict__ qkv, int width, const float* __
         NAME(bf16* __restrict__ qkv, int width, const float* __restrict__ q_norm,                                  \
              const float* __restrict__ k_norm, int has_norm, float eps, const u32* __restrict__ positions,         \
              const u32* __restrict__ slots, KV* __restrict__ k_cache, KV* __restrict__ v_cache, int num_heads,     \
-             int num_kv_heads, int head_dim, float theta, int block_size) {                                        \
+             int num_kv_heads, int head_dim, float theta, const float* __restrict__ inv_freq, int block_size) {    \
         rope_write_kv<KV>(qkv, width, q_norm, k_norm, has_norm, eps, positions, slots, k_cache, v_cache,          \
-                          num_heads, num_kv_heads, head_dim, theta, block_size);                                   \
+                          num_heads, num_kv_heads, head_dim, theta, inv_freq, block_size);                         \
     }
 
 ROPE_KERNEL(rope_write_kv_bf16, bf16)

@@ -9,9 +9,11 @@
 #define ROPE_PAIRS 4
 
 // The rotation of pair (i, i + head_dim / 2) at position `pos`: (cos, sin), each rounded to bf16.
-__device__ __forceinline__ float2 rope_angle(int i, float pos, float theta, int head_dim) {
+// `scaled` (when set) holds each pair's inverse frequency of a scaled RoPE, computed on the host in transformers'
+// f32 order (rust/core/src/model/rope.rs).
+__device__ __forceinline__ float2 rope_angle(int i, float pos, float theta, int head_dim, const float* scaled) {
     // inv_freq = 1 / theta^(2i/d) in f32, angle = position * inv_freq in f32, as transformers forms them.
-    const float inv_freq = 1.0f / powf(theta, (float)(2 * i) / (float)head_dim);
+    const float inv_freq = scaled ? scaled[i] : 1.0f / powf(theta, (float)(2 * i) / (float)head_dim);
     float s, c;
     sincosf(pos * inv_freq, &s, &c);
     return make_float2(bf16r(c), bf16r(s));

@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import gpu_models  # noqa: E402
 from conftest import check_invariants, run_alone  # noqa: E402
 
-SHAPES = ["smollm2", "qwen3", "llama1b"]
+SHAPES = ["smollm2", "qwen3", "llama1b", "llama3s", "qwen2"]
 PROMPT = [(7 * i + 3) % 397 + 2 for i in range(40)]
 
 
@@ -140,6 +140,20 @@ def test_device_error_is_clear_without_gpu_only_message() -> None:
     assert info.startswith("cuda"), info
 
 
+def test_a_shape_without_cuda_kernels_is_refused_by_name_and_auto_runs_it_on_the_cpu(capfd: pytest.CaptureFixture) -> None:
+    """The llama fixture has head_dim 16, which no CUDA attention kernel covers: device="cuda" refuses it before
+    loading, naming the shape, and device="auto" runs it on the CPU (with a warning) with the fixture's greedy ids."""
+    fixture = Path(__file__).resolve().parent / "fixtures" / "llama"
+    with pytest.raises(stepllm.ModelLoadError, match="head_dim 16 with 2 query heads per KV head"):
+        coordinator(fixture, "cuda")
+    rows = [r for r in json.loads((fixture / "expected.json").read_text())["rows"] if r["kind"] == "raw"]
+    with stepllm.LLM(model=str(fixture), device="auto") as llm:
+        assert llm.info()["device"].startswith("cpu"), llm.info()["device"]
+        out = llm.generate([r["prompt_ids"] for r in rows], greedy(len(rows[0]["greedy_ids"])))
+    assert [o.output_ids for o in out] == [r["greedy_ids"] for r in rows]
+    assert "device=\"auto\" runs this model on the CPU" in capfd.readouterr().err
+
+
 def assert_runs_agree(path: Path, prompts: list[list[int]], got: list, ref: list, what: object) -> None:
     """Each response of `got` against the reference run's `ref` (greedy, with logprobs): ids agree under the
     near-tie rule and the first token's log-probabilities within bf16 tolerance. The reference's logits are not
@@ -185,7 +199,7 @@ def test_gpu_greedy_matches_transformers(shape: tuple[str, Path]) -> None:
     assert_greedy_agrees(out.output_ids, ref, top2(rows), name)
 
 
-@pytest.mark.parametrize("name", ["smollm2", "qwen3", "llama1b"])
+@pytest.mark.parametrize("name", ["smollm2", "qwen3", "llama1b", "llama3s", "qwen2"])
 def test_gpu_matches_cpu_backend(name: str, models_dir: Path) -> None:
     path = gpu_models.make(name, models_dir)
     prompts = [PROMPT[: 10 + 7 * i] for i in range(3)]
@@ -512,7 +526,8 @@ def test_fp8_prefix_cache_hit_equals_miss(models_dir: Path) -> None:
     assert_released(coord)
 
 
-@pytest.mark.parametrize("name,kv_cache_dtype", [("qwen3", "auto"), ("qwen3", "fp8"), ("smollm2", "auto"), ("smollm2", "fp8")])
+@pytest.mark.parametrize("name,kv_cache_dtype", [("qwen3", "auto"), ("qwen3", "fp8"), ("smollm2", "auto"), ("smollm2", "fp8"),
+                                                   ("qwen2", "auto")])
 def test_tensor_core_decode_attention_matches_cuda_core_kernel(name: str, kv_cache_dtype: str, models_dir: Path,
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """Decode attention runs on tensor cores when the cache's block size is a multiple of 16

@@ -418,7 +418,8 @@ class ParallelConfig:
 @final
 class Config:
     """Runtime configuration, validated on construction (InvalidRequestError). None takes the default: device
-    ["auto"], max_batch_size [8], kv_cache_tokens [16384], block_size [16], max_model_len [the model's
+    ["auto": the GPU when there is one and its kernels cover the model's attention shape, else the CPU],
+    max_batch_size [8], kv_cache_tokens [16384], block_size [16], max_model_len [the model's
     max_position_embeddings; a longer one is refused when the runtime is built, unless
     STEPLLM_ALLOW_LONG_MAX_MODEL_LEN=1], context_cache [ContextCacheConfig()], parallel [ParallelConfig()], dtype [the device's: "f32" on the CPU,
     "bf16" on CUDA], max_prefill_tokens [8192: the most prompt tokens the engine and dispatch_request prefill

@@ -133,6 +133,26 @@ pub fn parse_device(name: &str) -> Result<Device> {
     }
 }
 
+/// device="auto" picks the GPU, unless the CUDA kernels cannot run this model: then it runs on the CPU, with a
+/// warning that says why (device="cuda" refuses such a model instead).
+fn auto_device(config: &Config, device: Device, path: &std::path::Path) -> Result<Device> {
+    if device == Device::Cpu {
+        return Ok(device);
+    }
+    // A model that cannot be read is load_model's to report, with its own message.
+    let Ok(model_config) = crate::model::read_model_config(path) else {
+        return Ok(device);
+    };
+    let Some(why) = crate::backend::cuda::unsupported(&model_config) else {
+        return Ok(device);
+    };
+    if config.kv_cache_dtype == KvCacheDtype::Fp8 {
+        return invalid(format!("kv_cache_dtype=\"fp8\" needs the CUDA backend, but {why}; use kv_cache_dtype=\"auto\""));
+    }
+    eprintln!("stepllm: warning: {why}; device=\"auto\" runs this model on the CPU");
+    Ok(Device::Cpu)
+}
+
 /// Whether a CUDA device can be used: kernels were built in and a driver sees a GPU (never panics).
 pub fn cuda_available() -> bool {
     crate::backend::cuda::available()
@@ -183,7 +203,9 @@ impl RuntimeCoordinator {
             let model = crate::parallel::load_parallel(path, device, config.dtype, world, progress)?;
             return Self::from_parallel(model, &config);
         }
-        let loaded = load_model(std::path::Path::new(&config.model), device, config.dtype, progress)?;
+        let path = std::path::Path::new(&config.model);
+        let device = if config.device == "auto" { auto_device(&config, device, path)? } else { device };
+        let loaded = load_model(path, device, config.dtype, progress)?;
         Self::from_loaded(loaded, &config)
     }
 
@@ -457,4 +479,40 @@ fn resolve_max_model_len(trained: usize, asked: Option<usize>) -> Result<usize> 
         ));
     }
     Ok(asked.max(2))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::path::{Path, PathBuf};
+
+    fn fixture(name: &str) -> PathBuf {
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures").join(name)
+    }
+
+    #[test]
+    fn auto_runs_a_model_the_cuda_kernels_cannot_run_on_the_cpu() {
+        // The llama fixture has head_dim 16, which no CUDA attention kernel covers.
+        let path = fixture("llama");
+        let config = Config::new(path.display().to_string());
+        assert_eq!(auto_device(&config, Device::Cuda(0), &path).unwrap(), Device::Cpu);
+        assert_eq!(auto_device(&config, Device::Cpu, &path).unwrap(), Device::Cpu);
+        let fp8 = Config { kv_cache_dtype: KvCacheDtype::Fp8, ..config };
+        let message = auto_device(&fp8, Device::Cuda(0), &path).unwrap_err().to_string();
+        assert!(message.contains("head_dim 16 with 2 query heads") && message.contains("fp8"), "{message}");
+    }
+
+    #[test]
+    fn auto_keeps_the_gpu_for_a_shape_it_covers_and_leaves_unreadable_paths_to_the_loader() {
+        let dir = std::env::temp_dir().join(format!("stepllm-auto-device-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let smollm2_shape = r#"{"architectures": ["LlamaForCausalLM"], "vocab_size": 49152, "hidden_size": 576,
+            "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3}"#;
+        std::fs::write(dir.join("config.json"), smollm2_shape).unwrap();
+        let config = Config::new(dir.display().to_string());
+        assert_eq!(auto_device(&config, Device::Cuda(0), &dir).unwrap(), Device::Cuda(0));
+        std::fs::remove_dir_all(&dir).unwrap();
+        let missing = dir.join("absent.gguf");
+        assert_eq!(auto_device(&config, Device::Cuda(1), &missing).unwrap(), Device::Cuda(1));
+    }
 }

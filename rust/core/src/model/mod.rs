@@ -157,6 +157,15 @@ pub fn load_model(
     }
 }
 
+/// The model's configuration alone (config.json, or a GGUF's metadata), without its weights or tokenizer.
+pub fn read_model_config(path: &std::path::Path) -> Result<ModelConfig> {
+    if path.is_dir() {
+        loader::load_hf_config(path)
+    } else {
+        loader::gguf::GgufModel::open(path)?.config()
+    }
+}
+
 /// A WeightSource that reports each tensor handed out, so loading can show progress.
 pub struct ProgressSource<'a> {
     inner: &'a dyn loader::WeightSource,

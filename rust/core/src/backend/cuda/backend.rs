@@ -39,8 +39,11 @@ enum QkRotation<'a> {
     Done,
     InKernel(Option<(&'a CudaVector, &'a CudaVector)>),
 }
+/// (head_dim, query heads per KV head) of every decode attention kernel: ATTENTION_SHAPES in kernels/attention.cuh.
+pub(super) const DECODE_ATTENTION_SHAPES: [(usize, &[usize]); 2] = [(64, &ALL_GROUPS), (128, &ALL_GROUPS)];
+const ALL_GROUPS: [usize; 8] = [1, 2, 3, 4, 5, 6, 7, 8];
 /// Arguments the rotating attention kernels take after the plain ones.
-const ROTATION_ARGS: usize = 5;
+const ROTATION_ARGS: usize = 6;
 
 /// Kernel handles, resolved once at start (those of an fp8 cache when the first one is allocated).
 struct Kernels {
@@ -81,7 +84,7 @@ impl CacheKernels {
         };
         let module = format!("attention{suffix}");
         let (mut attention, mut attention_rope, mut attention_mma) = (Vec::new(), Vec::new(), Vec::new());
-        for (d, groups) in [(64, &[1, 2, 3, 4, 8][..]), (128, &[1, 2, 4, 8][..])] {
+        for (d, groups) in DECODE_ATTENTION_SHAPES {
             for &g in groups {
                 let kernel = |variant: &str| gpu.function(&module, &format!("paged_attention{suffix}{variant}_d{d}_g{g}"));
                 attention.push(((d, g), kernel("")?));
@@ -271,6 +274,8 @@ pub(super) struct State {
     retired: Vec<DeviceBuffer>,
     attn_partial: Option<DeviceBuffer>,
     attn_counters: Option<DeviceBuffer>,
+    /// A scaled RoPE's inverse frequencies on the device, and the RoPE they are for.
+    rope_frequencies: Option<(crate::model::Rope, DeviceBuffer)>,
     /// One u64 per logits row: its greedy token, packed as (order key << 32 | !token) by kernels/gemv.cu.
     argmax_keys: Option<DeviceBuffer>,
     /// When set, copy_to_host leaves the logits on the device for GPU sampling and records them here.
@@ -365,9 +370,38 @@ impl CudaBackend {
         Ok((st.attn_partial.as_ref().unwrap().ptr(), st.attn_counters.as_ref().unwrap().ptr()))
     }
 
-    /// Grow the attention workspace ahead of graph capture (capture cannot allocate-and-zero).
+    /// Grow the attention workspace ahead of graph capture (capture cannot allocate-and-zero), and upload a
+    /// scaled RoPE's frequencies.
     pub(super) fn reserve_attention(&self, tokens: usize, shape: &AttentionShape) -> Result<()> {
+        self.rope_frequencies(shape)?;
         self.attention_workspace(tokens, shape, MAX_ATTENTION_SPLITS).map(|_| ())
+    }
+
+    /// The device address of a scaled RoPE's inverse frequencies (kernels/rope.cuh `rope_angle`), uploaded on
+    /// first use; 0 (null) for plain RoPE, which the kernels compute from theta.
+    fn rope_frequencies(&self, shape: &AttentionShape) -> Result<u64> {
+        if shape.rope.is_plain() {
+            return Ok(0);
+        }
+        let mut st = self.state();
+        if let Some((rope, table)) = &st.rope_frequencies {
+            if *rope == shape.rope {
+                return Ok(table.ptr());
+            }
+        }
+        if st.capture.is_some() {
+            return Err(Error::Device("RoPE frequencies uploaded during graph capture".into()));
+        }
+        let frequencies = shape.rope.inverse_frequencies(shape.head_dim);
+        let table = self.inner.gpu.alloc(frequencies.len() * 4)?;
+        self.inner.gpu.upload(table.ptr(), &frequencies)?;
+        let ptr = table.ptr();
+        if let Some((_, old)) = st.rope_frequencies.replace((shape.rope.clone(), table)) {
+            if st.keep_retired {
+                st.retired.push(old);
+            }
+        }
+        Ok(ptr)
     }
 
     fn attention_splits(&self, tokens: usize, num_kv_heads: usize, max_context: Option<usize>) -> usize {
@@ -539,6 +573,7 @@ impl CudaBackend {
             Arg::Ptr(kn),
             Arg::F32(shape.qk_norm_eps),
             Arg::F32(shape.rope.theta),
+            Arg::Ptr(self.rope_frequencies(shape)?),
             Arg::Ptr(batch.section(batch.layout.slots)),
         ];
         let args = match rotation {
@@ -845,6 +880,7 @@ impl Backend for CudaBackend {
             Arg::I32(shape.num_kv_heads as i32),
             Arg::I32(shape.head_dim as i32),
             Arg::F32(shape.rope.theta),
+            Arg::Ptr(self.rope_frequencies(shape)?),
             Arg::I32(cache.shape.block_size as i32),
         ];
         let grid = (batch.n_tokens as u32, 1, 1);

@@ -26,37 +26,58 @@ pub fn available() -> bool {
 
 /// Load a Llama-family model onto `cuda:ordinal`.
 pub fn build_runner(config: &ModelConfig, weights: &dyn WeightSource, ordinal: usize) -> Result<Box<dyn ModelRunner>> {
-    refuse_scaled_rope(config)?;
+    // A missing GPU is the first thing to report.
     let backend = CudaBackend::new(ordinal)?;
+    if let Some(why) = unsupported(config) {
+        return crate::error::load_err(format!("{why}; load this model with device=\"cpu\""));
+    }
     let model = LlamaModel::load(backend.clone(), config, weights)?;
     Ok(Box::new(CudaRunner::new(model, backend)))
 }
 
-/// The CUDA kernels compute plain RoPE angles from theta alone (kernels/rope.cuh); rotating a scaled model with
-/// them would give wrong logits without a sign, so such a model is refused before anything loads.
-fn refuse_scaled_rope(config: &ModelConfig) -> Result<()> {
-    if config.rope.is_plain() {
-        return Ok(());
+
+/// Why the CUDA kernels cannot run a model of this shape, if they cannot. Checked before anything loads, so that
+/// such a model is refused by name (or, under device="auto", runs on the CPU) instead of failing at its first step.
+pub fn unsupported(config: &ModelConfig) -> Option<String> {
+    let head_dim = config.head_dim;
+    let group = config.num_heads / config.num_kv_heads.max(1);
+    let covered = backend::DECODE_ATTENTION_SHAPES.iter().any(|(d, groups)| *d == head_dim && groups.contains(&group));
+    if covered {
+        return None;
     }
-    crate::error::load_err(format!(
-        "this model scales RoPE ({}), which the CUDA kernels do not apply yet; load it with device=\"cpu\"",
-        config.rope.scaling_name()
+    let listed: Vec<String> = backend::DECODE_ATTENTION_SHAPES
+        .iter()
+        .map(|(d, groups)| format!("head_dim {d} with {groups:?} query heads per KV head"))
+        .collect();
+    Some(format!(
+        "the CUDA attention kernels have no variant for head_dim {head_dim} with {group} query heads per KV head; \
+         they cover {}",
+        listed.join(" and ")
     ))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::{Rope, RopeScaling};
+
+    fn config(heads: usize, kv_heads: usize, head_dim: usize) -> ModelConfig {
+        let text = format!(
+            r#"{{"architectures": ["LlamaForCausalLM"], "vocab_size": 8, "hidden_size": {}, "intermediate_size": 8,
+                "num_hidden_layers": 1, "num_attention_heads": {heads}, "num_key_value_heads": {kv_heads}}}"#,
+            heads * head_dim
+        );
+        ModelConfig::from_hf_json(&text).unwrap()
+    }
 
     #[test]
-    fn a_scaled_rope_is_refused_by_name_and_plain_rope_passes() {
-        let text = r#"{"architectures": ["LlamaForCausalLM"], "vocab_size": 8, "hidden_size": 8, "intermediate_size": 8,
-            "num_hidden_layers": 1, "num_attention_heads": 2}"#;
-        let mut config = ModelConfig::from_hf_json(text).unwrap();
-        assert!(refuse_scaled_rope(&config).is_ok());
-        config.rope = Rope { theta: 5e5, scaling: RopeScaling::Linear { factor: 2.0 } };
-        let message = refuse_scaled_rope(&config).unwrap_err().to_string();
-        assert!(message.contains("(linear)") && message.contains("device=\"cpu\""), "{message}");
+    fn shapes_without_an_attention_kernel_are_named_and_real_models_pass() {
+        // SmolLM2-135M, Qwen3-0.6B, Llama-3.2-1B, Qwen2.5-0.5B, Qwen2.5-1.5B, Llama-3.2-3B, SmolLM2-1.7B.
+        for (heads, kv, d) in [(9, 3, 64), (16, 8, 128), (32, 8, 64), (14, 2, 64), (12, 2, 128), (24, 8, 128), (32, 32, 64)] {
+            assert_eq!(unsupported(&config(heads, kv, d)), None, "{heads}/{kv} heads of {d}");
+        }
+        let why = unsupported(&config(4, 2, 16)).unwrap();
+        assert!(why.contains("head_dim 16 with 2 query heads per KV head") && why.contains("head_dim 64 with"), "{why}");
+        assert!(unsupported(&config(36, 4, 128)).unwrap().contains("head_dim 128 with 9 query heads"));
+        assert!(unsupported(&config(32, 32, 96)).unwrap().contains("head_dim 96 with 1 query heads"));
     }
 }
