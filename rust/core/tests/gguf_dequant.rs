@@ -4,7 +4,7 @@
 use serde_json::Value;
 use std::path::PathBuf;
 use stepllm_core::model::loader::gguf::{GgufModel, GgufValue};
-use stepllm_core::model::loader::gguf_quant::GgmlType;
+use stepllm_core::model::loader::gguf_quant::{self, GgmlType};
 
 fn fixture(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/gguf").join(name)
@@ -32,6 +32,11 @@ fn gguf_every_type_dequantizes_exactly_as_gguf_py() {
         for (i, (g, w)) in got.data.iter().zip(&values).enumerate() {
             assert_eq!(g, w, "{name}[{i}]: got {g}, gguf-py gives {w}");
         }
+        // Decoded for loading, a quantized tensor comes as the same blocks without its floats.
+        let bytes = model.tensor_data(name).unwrap();
+        let (floats, blocks) = gguf_quant::decode(info.ggml_type, bytes, values.len(), false).unwrap();
+        assert_eq!(floats.is_empty(), !float, "{name}: floats only for the float types");
+        assert_eq!(blocks, got.blocks, "{name}");
     }
 }
 

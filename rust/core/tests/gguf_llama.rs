@@ -66,11 +66,12 @@ fn gguf_q_and_k_come_back_in_hugging_face_order() {
         let got = model.tensor(hf_name).unwrap();
         let shape: Vec<usize> = w["shape"].as_array().unwrap().iter().map(|d| d.as_u64().unwrap() as usize).collect();
         assert_eq!(got.shape, shape, "{hf_name}");
-        assert_eq!(got.data, floats(&w["values"]), "{hf_name} differs from the original Hugging Face weight");
+        assert_eq!(*got.values(), floats(&w["values"]), "{hf_name} differs from the original Hugging Face weight");
         // Layer 1 is stored as Q8_0: its blocks move with the rows.
         if hf_name.contains("layers.1.") {
             let blocks = got.blocks.as_ref().unwrap_or_else(|| panic!("{hf_name} keeps its Q8_0 blocks"));
-            assert!(blocks.rebuild(&got.data), "{hf_name}: un-permuted blocks rebuild the un-permuted weights");
+            assert!(got.values_in_blocks(), "{hf_name}: loaded as blocks alone");
+            assert!(blocks.rebuild(&floats(&w["values"])), "{hf_name}: un-permuted blocks rebuild the un-permuted weights");
         }
     }
     // The stored (GGUF) layout really is permuted, so the test above is not vacuous.
@@ -82,7 +83,8 @@ fn gguf_q_and_k_come_back_in_hugging_face_order() {
 fn gguf_other_weights_are_renamed_and_transposed_only() {
     let (model, _) = open();
     let v = model.tensor("model.layers.1.self_attn.v_proj.weight").unwrap();
-    assert_eq!(v, model.dequantize("blk.1.attn_v.weight").unwrap());
+    let stored = model.dequantize("blk.1.attn_v.weight").unwrap();
+    assert_eq!((v.values(), &v.blocks), (stored.values(), &stored.blocks));
     assert_eq!(v.shape, vec![16, 32], "HF [out, in] from GGUF ne [in, out]");
     let expected_shapes: &[(&str, &[usize])] = &[
         ("model.embed_tokens.weight", &[40, 32]),

@@ -137,10 +137,12 @@ struct Rounded<'a> {
 
 impl WeightSource for Rounded<'_> {
     fn tensor(&self, name: &str) -> stepllm_core::Result<HostTensor> {
-        let mut t = self.inner.tensor(name)?;
+        let t = self.inner.tensor(name)?;
         if t.shape.len() != 2 {
             return Ok(t);
         }
+        // Rounded values no longer match any quantized blocks: keep the floats alone.
+        let mut t = HostTensor::new(t.shape.clone(), t.into_values());
         let cols = t.shape[1];
         for row in t.data.chunks_mut(cols) {
             match self.dtype {

@@ -171,12 +171,12 @@ impl Backend for CpuBackend {
                 let blocks = host.blocks.as_ref().filter(|_| Kernels::detect() != Kernels::Portable);
                 match blocks.and_then(|blocks| pack_blocks(&host.data, blocks, rows, cols)) {
                     Some(blocks) => MatrixStorage::Blocks(blocks),
-                    None => MatrixStorage::F32(pack_f32(&host.data, rows, cols)),
+                    None => MatrixStorage::F32(pack_f32(&host.values(), rows, cols)),
                 }
             }
-            CpuWeightFormat::Bf16 => MatrixStorage::Bf16(pack_bf16(&host.data, rows, cols)),
+            CpuWeightFormat::Bf16 => MatrixStorage::Bf16(pack_bf16(&host.values(), rows, cols)),
             CpuWeightFormat::Int8 => {
-                let (values, scales) = pack_int8(&host.data, rows, cols);
+                let (values, scales) = pack_int8(&host.values(), rows, cols);
                 MatrixStorage::Int8 { values, scales }
             }
         };
@@ -192,7 +192,7 @@ impl Backend for CpuBackend {
             return internal(format!("upload_vector wants a 1-D tensor, got shape {:?}", host.shape));
         }
         check_host_len(&host)?;
-        Ok(CpuVector(host.data))
+        Ok(CpuVector(host.into_values()))
     }
 
     fn new_tensor(&self) -> CpuTensor {
@@ -323,8 +323,8 @@ impl Backend for CpuBackend {
 
 fn check_host_len(host: &HostTensor) -> Result<()> {
     let expected: usize = host.shape.iter().product();
-    if host.data.len() != expected {
-        return internal(format!("host tensor of shape {:?} carries {} values", host.shape, host.data.len()));
+    if host.value_count() != expected {
+        return internal(format!("host tensor of shape {:?} carries {} values", host.shape, host.value_count()));
     }
     Ok(())
 }

@@ -412,7 +412,7 @@ impl<B: Backend> WeightReader<'_, B> {
     }
 
     fn upload_vector(&mut self, host: HostTensor) -> Result<B::Vector> {
-        self.weight_bytes += 4 * host.data.len();
+        self.weight_bytes += 4 * host.value_count();
         self.backend.upload_vector(host)
     }
 
@@ -433,7 +433,7 @@ impl<B: Backend> WeightReader<'_, B> {
         for (name, len) in parts {
             let part = self.read(name, &[*len])?;
             stacked.shape[0] += len;
-            stacked.data.extend_from_slice(&part.data);
+            stacked.data.extend_from_slice(&part.values());
         }
         self.upload_vector(stacked)
     }
@@ -451,10 +451,10 @@ impl<B: Backend> WeightReader<'_, B> {
                 tensor.shape
             ));
         }
-        if tensor.data.len() != expected.iter().product::<usize>() {
-            return load_err(format!("tensor {name:?} of shape {expected:?} carries {} values", tensor.data.len()));
+        if tensor.value_count() != expected.iter().product::<usize>() {
+            return load_err(format!("tensor {name:?} of shape {expected:?} carries {} values", tensor.value_count()));
         }
-        self.parameters += tensor.data.len();
+        self.parameters += tensor.value_count();
         Ok(tensor)
     }
 }

@@ -126,6 +126,8 @@ impl WeightSource for ShardedSource<'_> {
             [r] => (r, 1),
             _ => return load_err(format!("tensor {hf_name:?} of shape {:?} cannot be sharded", full.shape)),
         };
+        // Shards are cut from the floats (the blocks of a quantized tensor do not follow its shards).
+        let full = HostTensor::new(full.shape.clone(), full.into_values());
         let vector = full.shape.len() == 1;
         let out = match self.split(hf_name) {
             Split::Whole => return Ok(full),

@@ -651,7 +651,7 @@ impl Backend for CudaBackend {
                 "the CUDA backend needs matrix widths that are multiples of 8 (16-byte rows); got {cols}"
             )));
         }
-        let data = to_bf16(&host.data);
+        let data = to_bf16(&host.values());
         let buf = self.inner.gpu.alloc(data.len() * 2)?;
         self.inner.gpu.upload(buf.ptr(), &data)?;
         self.inner.gpu.synchronize()?;
@@ -663,10 +663,11 @@ impl Backend for CudaBackend {
     }
 
     fn upload_vector(&self, host: HostTensor) -> Result<CudaVector> {
-        let buf = self.inner.gpu.alloc(host.data.len() * 4)?;
-        self.inner.gpu.upload(buf.ptr(), &host.data)?;
+        let values = host.values();
+        let buf = self.inner.gpu.alloc(values.len() * 4)?;
+        self.inner.gpu.upload(buf.ptr(), &values)?;
         self.inner.gpu.synchronize()?;
-        Ok(CudaVector { buf, len: host.data.len() })
+        Ok(CudaVector { buf, len: values.len() })
     }
 
     fn new_tensor(&self) -> CudaTensor {

@@ -244,6 +244,15 @@ impl GgufModel {
         Ok(HostTensor { shape: info.hf_shape(), data, blocks })
     }
 
+    /// [`dequantize`](Self::dequantize) for loading: a quantized tensor comes as its blocks alone, its floats left
+    /// to `HostTensor::values` (only a backend that does not keep the blocks pays for them).
+    fn read_tensor(&self, gguf_name: &str) -> Result<HostTensor> {
+        let info = self.require_tensor(gguf_name)?;
+        let (data, blocks) = gguf_quant::decode(info.ggml_type, self.tensor_data(gguf_name)?, info.n_elements as usize, false)
+            .map_err(|e| with_context(e, &format!("tensor {gguf_name:?} in {}", self.source)))?;
+        Ok(HostTensor { shape: info.hf_shape(), data, blocks })
+    }
+
     fn require_tensor(&self, gguf_name: &str) -> Result<&GgufTensorInfo> {
         self.tensor_info(gguf_name)
             .ok_or_else(|| Error::Load(format!("GGUF file {} has no tensor {gguf_name:?}", self.source)))
@@ -504,7 +513,7 @@ impl WeightSource for GgufModel {
     fn tensor(&self, hf_name: &str) -> Result<HostTensor> {
         let gguf_name = gguf_tensor_name(hf_name)
             .ok_or_else(|| Error::Load(format!("no GGUF tensor corresponds to Hugging Face tensor {hf_name:?}")))?;
-        let tensor = self.dequantize(&gguf_name)?;
+        let tensor = self.read_tensor(&gguf_name)?;
         match self.rotary_heads(hf_name)? {
             Some(heads) => unpermute_rotary_rows(tensor, heads).map_err(|e| with_context(e, &format!("tensor {gguf_name:?}"))),
             None => Ok(tensor),

@@ -175,6 +175,12 @@ type DecodeBlock = fn(&[u8], &mut [i8], &mut [f32], &mut [f32]);
 /// Dequantize `n_elements` values of type `ty` from `data` (exactly their bytes) to f32, in storage order; for a
 /// quantized type also the integer levels, scales and minimums they are made of.
 pub fn dequantize(ty: GgmlType, data: &[u8], n_elements: usize) -> Result<(Vec<f32>, Option<HostBlocks>)> {
+    decode(ty, data, n_elements, true)
+}
+
+/// [`dequantize`], leaving a quantized tensor's floats out (an empty Vec) when `floats` is false: its blocks
+/// carry them (`HostTensor::values`), and a backend that keeps the blocks never needs them.
+pub fn decode(ty: GgmlType, data: &[u8], n_elements: usize, floats: bool) -> Result<(Vec<f32>, Option<HostBlocks>)> {
     let float = |decode: fn(&[u8]) -> f32| -> Result<(Vec<f32>, Option<HostBlocks>)> {
         check_size(ty, data, n_elements)?;
         Ok((data.par_chunks_exact(ty.type_size()).map(decode).collect(), None))
@@ -186,7 +192,7 @@ pub fn dequantize(ty: GgmlType, data: &[u8], n_elements: usize) -> Result<(Vec<f
         GgmlType::BF16 => float(|b| f32::from_bits((u16::from_le_bytes([b[0], b[1]]) as u32) << 16)),
         _ => match ty.quantized() {
             Some((group, decode)) => {
-                let (values, mut blocks) = decode_blocks(ty, data, n_elements, group, decode)?;
+                let (values, mut blocks) = decode_blocks(ty, data, n_elements, group, decode, floats)?;
                 blocks.factors = ty.factors().and_then(|read| factor_blocks(ty, data, &blocks, read));
                 Ok((values, Some(blocks)))
             }
@@ -222,10 +228,10 @@ fn decode_blocks(
     n_elements: usize,
     group: usize,
     decode: DecodeBlock,
+    floats: bool,
 ) -> Result<(Vec<f32>, HostBlocks)> {
     check_size(ty, data, n_elements)?;
     let (block_size, type_size) = (ty.block_size(), ty.type_size());
-    let mut values = vec![0.0; n_elements];
     let mut blocks = HostBlocks {
         group,
         levels: vec![0; n_elements],
@@ -235,13 +241,13 @@ fn decode_blocks(
     };
     let blocks_per_task = (ELEMENTS_PER_TASK / block_size).max(1);
     let groups_per_block = block_size / group;
-    values
+    blocks
+        .levels
         .par_chunks_mut(blocks_per_task * block_size)
-        .zip(blocks.levels.par_chunks_mut(blocks_per_task * block_size))
         .zip(blocks.scales.par_chunks_mut(blocks_per_task * groups_per_block))
         .zip(blocks.mins.par_chunks_mut(blocks_per_task * groups_per_block))
         .zip(data.par_chunks(blocks_per_task * type_size))
-        .for_each(|((((values, levels), scales), mins), bytes)| {
+        .for_each(|(((levels, scales), mins), bytes)| {
             let each = levels
                 .chunks_exact_mut(block_size)
                 .zip(scales.chunks_exact_mut(groups_per_block))
@@ -250,12 +256,8 @@ fn decode_blocks(
             for (((levels, scales), mins), bytes) in each {
                 decode(bytes, levels, scales, mins);
             }
-            let groups =
-                values.chunks_exact_mut(group).zip(levels.chunks_exact(group)).zip(scales.iter().zip(mins.iter()));
-            for ((values, levels), (&scale, &min)) in groups {
-                values.iter_mut().zip(levels).for_each(|(v, &q)| *v = (q as f32).mul_add(scale, min));
-            }
         });
+    let values = if floats { blocks.values() } else { Vec::new() };
     Ok((values, blocks))
 }
 

@@ -5,6 +5,8 @@
 #[derive(Debug, Clone, PartialEq)]
 pub struct HostTensor {
     pub shape: Vec<usize>,
+    /// The values, row-major; empty when `blocks` carries them (a GGUF's quantized tensor as loaded): read them
+    /// through [`HostTensor::values`].
     pub data: Vec<f32>,
     /// The integer blocks `data` was dequantized from, when the file stored it quantized (a GGUF's Q4_K,
     /// Q8_0, ...): a backend may keep those instead of the floats.
@@ -71,6 +73,19 @@ impl HostBlocks {
         (self.levels[i] as f32).mul_add(self.scales[g], self.mins[g])
     }
 
+    /// Every element's value, `fma(level, scale, min)`.
+    pub fn values(&self) -> Vec<f32> {
+        use rayon::prelude::*;
+        let group = self.group;
+        let mut values = vec![0.0; self.levels.len()];
+        values.par_chunks_mut(group).zip(self.levels.par_chunks(group)).zip(self.scales.par_iter().zip(&self.mins)).for_each(
+            |((values, levels), (&scale, &min))| {
+                values.iter_mut().zip(levels).for_each(|(v, &q)| *v = (q as f32).mul_add(scale, min));
+            },
+        );
+        values
+    }
+
     /// Whether every element of `values` is what its level, scale and minimum give, bit for bit.
     pub fn rebuild(&self, values: &[f32]) -> bool {
         use rayon::prelude::*;
@@ -106,6 +121,43 @@ impl HostTensor {
         HostTensor { shape, data, blocks: None }
     }
 
+    /// Whether the floats are left to the blocks (`data` empty).
+    pub fn values_in_blocks(&self) -> bool {
+        self.data.is_empty() && self.blocks.as_ref().is_some_and(|b| !b.levels.is_empty())
+    }
+
+    /// How many values the tensor holds, as floats or as blocks.
+    pub fn value_count(&self) -> usize {
+        match &self.blocks {
+            Some(blocks) if self.data.is_empty() => blocks.levels.len(),
+            _ => self.data.len(),
+        }
+    }
+
+    /// The values as floats, computed from the blocks where `data` leaves them there.
+    pub fn values(&self) -> std::borrow::Cow<'_, [f32]> {
+        match &self.blocks {
+            Some(blocks) if self.values_in_blocks() => std::borrow::Cow::Owned(blocks.values()),
+            _ => std::borrow::Cow::Borrowed(&self.data),
+        }
+    }
+
+    /// [`values`](Self::values), consuming the tensor.
+    pub fn into_values(self) -> Vec<f32> {
+        match self.blocks {
+            Some(blocks) if self.data.is_empty() => blocks.values(),
+            _ => self.data,
+        }
+    }
+
+    /// The same tensor with `data` filled in.
+    fn with_floats(mut self) -> HostTensor {
+        if self.values_in_blocks() {
+            self.data = self.values().into_owned();
+        }
+        self
+    }
+
     /// Elements per row: every dimension after the first (a vector's rows are its elements).
     fn cols(&self) -> usize {
         self.shape.iter().skip(1).product()
@@ -118,11 +170,15 @@ impl HostTensor {
         assert!(parts.iter().all(|p| p.shape.len() == 2 && p.cols() == cols), "stack_rows needs matrices of one width");
         let rows = parts.iter().map(|p| p.shape[0]).sum();
         let group = parts.iter().map(|p| p.blocks.as_ref().map(|b| b.group)).collect::<Option<Vec<_>>>().and_then(|g| g.into_iter().min());
-        let mut parts = parts.into_iter();
+        // Floats stay in the blocks only where every part keeps them there; otherwise all parts bring floats.
+        let lazy = group.is_some() && parts.iter().all(HostTensor::values_in_blocks);
+        let mut parts = parts.into_iter().map(|p| if lazy { p } else { p.with_floats() });
         let Some(first) = parts.next() else { return HostTensor::new(vec![0, 0], Vec::new()) };
         // The first part's buffers grow into the result: the allocator remaps a large buffer instead of copying it.
         let mut data = first.data;
-        data.reserve_exact(rows * cols - data.len());
+        if !lazy {
+            data.reserve_exact(rows * cols - data.len());
+        }
         let mut blocks = group.zip(first.blocks).map(|(group, b)| b.regrouped(group));
         for part in parts {
             data.extend_from_slice(&part.data);
@@ -147,8 +203,10 @@ impl HostTensor {
     /// Append a row of zeros (blocks included: level 0 with scale and minimum 0 is +0).
     pub fn append_zero_row(&mut self) {
         let cols = self.cols();
+        if !self.values_in_blocks() {
+            self.data.extend(std::iter::repeat_n(0.0, cols));
+        }
         self.shape[0] += 1;
-        self.data.extend(std::iter::repeat_n(0.0, cols));
         if let Some(blocks) = self.blocks.as_mut() {
             blocks.levels.extend(std::iter::repeat_n(0, cols));
             blocks.scales.extend(std::iter::repeat_n(0.0, cols / blocks.group));
@@ -184,7 +242,8 @@ impl HostTensor {
                 }),
             }
         });
-        HostTensor { shape: self.shape.clone(), data: gather(&self.data, cols), blocks }
+        let data = if self.values_in_blocks() { Vec::new() } else { gather(&self.data, cols) };
+        HostTensor { shape: self.shape.clone(), data, blocks }
     }
 }
 
