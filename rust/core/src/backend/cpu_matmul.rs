@@ -175,14 +175,17 @@ impl Weights<'_> {
     }
 }
 
-/// Lay a row-major `[n, k]` matrix out in panels, each element converted by `value(row, column)`.
-fn pack<T: Copy + Default + Send + Sync>(n: usize, k: usize, value: impl Fn(usize, usize) -> T + Sync) -> Vec<T> {
+/// Lay the row-major `[n, k]` matrix `data` out in panels, each element converted by `value(row, element)`.
+/// It walks each row as a slice: indexing element by element made packing most of a GGUF's load time.
+fn pack<S: Copy + Sync, T: Copy + Default + Send + Sync>(data: &[S], n: usize, k: usize, value: impl Fn(usize, S) -> T + Sync) -> Vec<T> {
+    assert_eq!(data.len(), n * k, "pack: a [{n}, {k}] matrix");
     let mut out = vec![T::default(); padded_rows(n) * k];
     if k > 0 {
         out.par_chunks_mut(PANEL * k).enumerate().for_each(|(panel, dst)| {
             for j in 0..PANEL.min(n.saturating_sub(panel * PANEL)) {
-                for p in 0..k {
-                    dst[p * PANEL + j] = value(panel * PANEL + j, p);
+                let c = panel * PANEL + j;
+                for (column, &x) in dst.chunks_exact_mut(PANEL).zip(&data[c * k..(c + 1) * k]) {
+                    column[j] = value(c, x);
                 }
             }
         });
@@ -192,12 +195,12 @@ fn pack<T: Copy + Default + Send + Sync>(n: usize, k: usize, value: impl Fn(usiz
 
 pub fn pack_f32(data: &[f32], n: usize, k: usize) -> Vec<f32> {
     assert_eq!(data.len(), n * k, "pack_f32: a [{n}, {k}] matrix");
-    pack(n, k, |c, p| data[c * k + p])
+    pack(data, n, k, |_, x| x)
 }
 
 pub fn pack_bf16(data: &[f32], n: usize, k: usize) -> Vec<u16> {
     assert_eq!(data.len(), n * k, "pack_bf16: a [{n}, {k}] matrix");
-    pack(n, k, |c, p| f32_to_bf16(data[c * k + p]))
+    pack(data, n, k, |_, x| f32_to_bf16(x))
 }
 
 /// Per-row symmetric int8 ([`int8_scale`]); returns the packed values and the padded scales.
@@ -207,7 +210,7 @@ pub fn pack_int8(data: &[f32], n: usize, k: usize) -> (Vec<i8>, Vec<f32>) {
     if k > 0 {
         scales[..n].par_iter_mut().zip(data.par_chunks(k)).for_each(|(s, row)| *s = int8_scale(row));
     }
-    let values = pack(n, k, |c, p| quantize_int8(data[c * k + p], scales[c]));
+    let values = pack(data, n, k, |c, x| quantize_int8(x, scales[c]));
     (values, scales)
 }
 
@@ -277,13 +280,12 @@ pub fn pack_blocks(data: &[f32], blocks: &HostBlocks, n: usize, k: usize) -> Opt
     if blocks.levels.len() != n * k || !suits || !matches(data) {
         return None;
     }
-    let level = |c: usize, p: usize| blocks.levels[c * k + p];
     let levels = if blocks.levels.par_iter().all(|q| (0..=15).contains(q)) {
-        BlockLevels::Nibbles { values: pack_nibbles(n, k, 0, |c, p| level(c, p) as u8), signed: false }
+        BlockLevels::Nibbles { values: pack_nibbles(&blocks.levels, n, k, 0), signed: false }
     } else if blocks.levels.par_iter().all(|q| (-8..=7).contains(q)) {
-        BlockLevels::Nibbles { values: pack_nibbles(n, k, 8, |c, p| (level(c, p) + 8) as u8), signed: true }
+        BlockLevels::Nibbles { values: pack_nibbles(&blocks.levels, n, k, 8), signed: true }
     } else {
-        BlockLevels::Bytes(pack(n, k, level))
+        BlockLevels::Bytes(pack(&blocks.levels, n, k, |_, q| q))
     };
     Some(BlockMatrix { levels, constants: pack_constants(blocks, n, k), group })
 }
@@ -325,16 +327,20 @@ fn factors_suit(f: &Factors, blocks: &HostBlocks, k: usize) -> bool {
     super_group.is_power_of_two() && k.is_multiple_of(super_group) && f.rebuild(&blocks.scales, &blocks.mins)
 }
 
-/// 4-bit values `level(row, column)` in the nibble layout, padding rows `pad` (the nibble of level 0).
-fn pack_nibbles(n: usize, k: usize, pad: u8, level: impl Fn(usize, usize) -> u8 + Sync) -> Vec<u8> {
+/// The row-major `[n, k]` `levels` plus `offset` as 4-bit values in the nibble layout (rows j and j + PANEL / 2
+/// of a panel share a byte); rows past `n` are level 0.
+fn pack_nibbles(levels: &[i8], n: usize, k: usize, offset: i8) -> Vec<u8> {
     let half = PANEL / 2;
-    let level_or_pad = |row: usize, p: usize| if row < n { level(row, p) } else { pad };
+    let padding = vec![0i8; k];
+    // Row by row, so that each level is read from a contiguous slice (per-element indexing made this most of a
+    // GGUF's load time).
+    let row = |r: usize| if r < n { &levels[r * k..(r + 1) * k] } else { &padding[..] };
     let mut out = vec![0u8; padded_rows(n) * k / 2];
     out.par_chunks_mut(half * k).enumerate().for_each(|(panel, dst)| {
-        for p in 0..k {
-            for j in 0..half {
-                let row = panel * PANEL + j;
-                dst[p * half + j] = level_or_pad(row, p) | (level_or_pad(row + half, p) << 4);
+        for j in 0..half {
+            let (low, high) = (row(panel * PANEL + j), row(panel * PANEL + half + j));
+            for ((column, &lo), &hi) in dst.chunks_exact_mut(half).zip(low).zip(high) {
+                column[j] = (lo + offset) as u8 | (((hi + offset) as u8) << 4);
             }
         }
     });
