@@ -129,3 +129,19 @@ def test_panicking_rank_fails_the_group_without_hanging():
     with pytest.raises(stepllm.DeviceError, match="unusable"):
         stepped.decode(stepllm.ImmutableDecodeBatch(residents=[founder]))
     stepped.abort()
+
+
+def test_tp_shards_a_gguf_and_keeps_its_row_blocks():
+    """The default model (a Q4_1 GGUF, 9 heads over 3 KV heads) over 3 ranks: the same greedy ids as one rank.
+    Row shards keep their quantized blocks and column shards are floats, so the ranks together hold more than
+    the single model's blocks but less than its f32 weights."""
+    path = stepllm.default_model_path()
+    prompts = ["The capital of France is", "def fibonacci(n):", "Water boils at"]
+    params = greedy(12)
+    single = stepllm.LLM(path, device="cpu")
+    want = [r.output_ids for r in single.generate(prompts, params)]
+    tp = stepllm.LLM(path, device="cpu", parallel=stepllm.ParallelConfig(tensor_parallel_size=3))
+    assert tp.info()["device"].endswith("x3 (tensor parallel)")
+    assert [r.output_ids for r in tp.generate(prompts, params)] == want
+    f32_bytes = 4 * single.info()["parameters"]
+    assert single.info()["weight_bytes"] < tp.info()["weight_bytes"] < f32_bytes, (single.info(), tp.info())

@@ -104,27 +104,36 @@ pub struct ParallelModel {
 }
 
 /// Load a Hugging Face directory as `world` CPU ranks, each holding its shard.
+type Checkpoint = (ModelConfig, Arc<Tokenizer>, Option<ChatTemplate>, Box<dyn crate::model::loader::WeightSource>);
+
+/// A Hugging Face directory or a .gguf file: its metadata and its weights, to be sharded.
+fn open_checkpoint(path: &Path) -> Result<Checkpoint> {
+    use crate::model::loader::{gguf::GgufModel, gguf_model, hf_dir, SafetensorsSource};
+    if path.is_dir() {
+        let (config, tokenizer, chat_template) = hf_dir::load_metadata(path)?;
+        return Ok((config, tokenizer, chat_template, Box::new(SafetensorsSource::open(path)?)));
+    }
+    if path.extension().is_some_and(|e| e.eq_ignore_ascii_case("gguf")) {
+        let gguf = GgufModel::open(path)?;
+        let (config, tokenizer, chat_template) = gguf_model::load_metadata(&gguf)?;
+        return Ok((config, tokenizer, chat_template, Box::new(gguf)));
+    }
+    load_err(format!("{} is neither a directory nor a .gguf file; pass a Hugging Face model directory or a .gguf file", path.display()))
+}
+
 pub fn load_parallel(path: &Path, device: Device, dtype: Option<WeightDtype>, world: usize, progress: Option<LoadProgress>) -> Result<ParallelModel> {
     if device != Device::Cpu {
         return load_err(
             "tensor parallelism runs on the CPU backend only for now (multi-GPU needs NCCL); use device=\"cpu\" or tensor_parallel_size=1",
         );
     }
-    if !path.is_dir() {
-        return load_err(format!(
-            "tensor parallelism needs a Hugging Face model directory; {} is not one (GGUF is not sharded yet)",
-            path.display()
-        ));
-    }
     let format = match dtype.unwrap_or(WeightDtype::F32) {
         WeightDtype::F32 => CpuWeightFormat::F32,
         WeightDtype::Bf16 => CpuWeightFormat::Bf16,
         WeightDtype::Int8 => CpuWeightFormat::Int8,
     };
-    let loaded_meta = crate::model::loader::hf_dir::load_metadata(path)?;
-    let (config, tokenizer, chat_template) = loaded_meta;
-    let weights = crate::model::loader::SafetensorsSource::open(path)?;
-    let counted = ProgressSource::new(&weights, &config, progress);
+    let (config, tokenizer, chat_template, weights) = open_checkpoint(path)?;
+    let counted = ProgressSource::new(weights.as_ref(), &config, progress);
     let collective = Collective::new(world);
     let mut runners: Vec<Box<dyn ModelRunner>> = Vec::with_capacity(world);
     let mut faults = Vec::with_capacity(world);

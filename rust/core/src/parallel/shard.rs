@@ -126,29 +126,31 @@ impl WeightSource for ShardedSource<'_> {
             [r] => (r, 1),
             _ => return load_err(format!("tensor {hf_name:?} of shape {:?} cannot be sharded", full.shape)),
         };
-        // Shards are cut from the floats (the blocks of a quantized tensor do not follow its shards).
-        let full = HostTensor::new(full.shape.clone(), full.into_values());
         let vector = full.shape.len() == 1;
         let out = match self.split(hf_name) {
             Split::Whole => return Ok(full),
             Split::RankZeroOnly => {
-                let data = if self.layout.rank == 0 { full.data } else { vec![0.0; full.data.len()] };
+                let data = if self.layout.rank == 0 { full.values().into_owned() } else { vec![0.0; full.value_count()] };
                 return Ok(HostTensor::new(full.shape, data));
             }
             Split::Rows { start, len } => {
                 if start + len > rows {
                     return load_err(format!("tensor {hf_name:?} has {rows} rows; rank {} needs rows {start}..{}", self.layout.rank, start + len));
                 }
-                let data = full.data[start * cols..(start + len) * cols].to_vec();
-                HostTensor::new(if vector { vec![len] } else { vec![len, cols] }, data)
+                // Whole rows keep a quantized tensor's blocks: its groups run along the rows.
+                let mut part = full.with_rows(&(start..start + len).collect::<Vec<_>>());
+                part.shape[0] = len;
+                part
             }
             Split::Cols { start, len } => {
                 if vector || start + len > cols {
                     return load_err(format!("tensor {hf_name:?} has {cols} columns; rank {} needs columns {start}..{}", self.layout.rank, start + len));
                 }
+                // Column shards are cut from the floats (a quantized tensor's groups need not align with them).
+                let values = full.values();
                 let mut data = Vec::with_capacity(rows * len);
                 for r in 0..rows {
-                    data.extend_from_slice(&full.data[r * cols + start..r * cols + start + len]);
+                    data.extend_from_slice(&values[r * cols + start..r * cols + start + len]);
                 }
                 HostTensor::new(vec![rows, len], data)
             }
