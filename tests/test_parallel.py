@@ -131,10 +131,11 @@ def test_panicking_rank_fails_the_group_without_hanging():
     stepped.abort()
 
 
-def test_tp_shards_a_gguf_and_keeps_its_row_blocks():
+def test_tp_shards_a_gguf_and_keeps_its_blocks():
     """The default model (a Q4_1 GGUF, 9 heads over 3 KV heads) over 3 ranks: the same greedy ids as one rank.
-    Row shards keep their quantized blocks and column shards are floats, so the ranks together hold more than
-    the single model's blocks but less than its f32 weights."""
+    Its shards keep their quantized blocks (every cut falls on a group boundary), so the ranks together hold
+    little more than the single model (the replicated norms and the tied embedding's two roles; 1.33 times
+    when written) and far less than its f32 weights (1.6 times when column shards were floats)."""
     path = stepllm.default_model_path()
     prompts = ["The capital of France is", "def fibonacci(n):", "Water boils at"]
     params = greedy(12)
@@ -144,4 +145,4 @@ def test_tp_shards_a_gguf_and_keeps_its_row_blocks():
     assert tp.info()["device"].endswith("x3 (tensor parallel)")
     assert [r.output_ids for r in tp.generate(prompts, params)] == want
     f32_bytes = 4 * single.info()["parameters"]
-    assert single.info()["weight_bytes"] < tp.info()["weight_bytes"] < f32_bytes, (single.info(), tp.info())
+    assert single.info()["weight_bytes"] < tp.info()["weight_bytes"] < 1.5 * single.info()["weight_bytes"] < f32_bytes

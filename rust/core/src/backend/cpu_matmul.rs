@@ -792,6 +792,26 @@ mod tests {
         }
     }
 
+    /// A column shard (tensor parallelism's o_proj and down_proj) keeps blocks on group boundaries, factors on
+    /// super-block boundaries, and is floats elsewhere; its values are the columns' either way, also when the
+    /// floats were left to the blocks.
+    #[test]
+    fn column_shards_keep_the_blocks_their_cut_allows() {
+        let w = quantized(GgmlType::Q4_K, 8, 1024, 11);
+        let lazy = HostTensor { data: Vec::new(), ..w.clone() };
+        let columns = |start: usize, len: usize| (0..8).flat_map(|r| w.data[r * 1024 + start..r * 1024 + start + len].to_vec()).collect::<Vec<_>>();
+        for source in [&w, &lazy] {
+            for (start, len, kind) in [(256, 512, Some("factored")), (32, 192, Some("f32")), (8, 40, None)] {
+                let part = source.with_cols(start, len);
+                assert_eq!(part.shape, vec![8, len]);
+                assert_eq!(bits(&part.values()), bits(&columns(start, len)), "{start}+{len}");
+                assert_eq!(part.values_in_blocks(), source.values_in_blocks() && kind.is_some(), "{start}+{len}");
+                let blocks = part.blocks.as_ref().map(|b| pack_blocks(&part.data, b, 8, len).expect("exact"));
+                assert_eq!(blocks.as_ref().map(constants_kind), kind, "{start}+{len}");
+            }
+        }
+    }
+
     #[test]
     fn blocks_are_refused_unless_they_rebuild_every_weight() {
         let w = quantized(GgmlType::Q4_K, 40, 256, 7);

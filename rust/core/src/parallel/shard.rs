@@ -137,7 +137,7 @@ impl WeightSource for ShardedSource<'_> {
                 if start + len > rows {
                     return load_err(format!("tensor {hf_name:?} has {rows} rows; rank {} needs rows {start}..{}", self.layout.rank, start + len));
                 }
-                // Whole rows keep a quantized tensor's blocks: its groups run along the rows.
+                // Whole rows keep a quantized tensor's blocks.
                 let mut part = full.with_rows(&(start..start + len).collect::<Vec<_>>());
                 part.shape[0] = len;
                 part
@@ -146,13 +146,7 @@ impl WeightSource for ShardedSource<'_> {
                 if vector || start + len > cols {
                     return load_err(format!("tensor {hf_name:?} has {cols} columns; rank {} needs columns {start}..{}", self.layout.rank, start + len));
                 }
-                // Column shards are cut from the floats (a quantized tensor's groups need not align with them).
-                let values = full.values();
-                let mut data = Vec::with_capacity(rows * len);
-                for r in 0..rows {
-                    data.extend_from_slice(&values[r * cols + start..r * cols + start + len]);
-                }
-                HostTensor::new(vec![rows, len], data)
+                full.with_cols(start, len)
             }
         };
         Ok(out)

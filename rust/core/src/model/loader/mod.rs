@@ -221,6 +221,44 @@ impl HostTensor {
         }
     }
 
+    /// Columns `start..start + len` of a matrix. Blocks stay where the cut falls on group boundaries (and the
+    /// super-block factors where it falls on super-block boundaries); otherwise the result is floats.
+    pub fn with_cols(&self, start: usize, len: usize) -> HostTensor {
+        let (rows, cols) = (self.shape[0], self.cols());
+        assert!(self.shape.len() == 2 && start + len <= cols, "with_cols: columns {start}..{} of {:?}", start + len, self.shape);
+        // Row r's elements [from, from + count) of a row-major array with `width` elements per row.
+        fn cut<T: Copy>(v: &[T], rows: usize, width: usize, from: usize, count: usize) -> Vec<T> {
+            (0..rows).flat_map(|r| v[r * width + from..r * width + from + count].iter().copied()).collect()
+        }
+        let aligned = |unit: usize| start.is_multiple_of(unit) && len.is_multiple_of(unit);
+        let blocks = self.blocks.as_ref().filter(|b| aligned(b.group)).map(|b| {
+            let (g, width) = (b.group, cols / b.group);
+            let factors = b.factors.as_ref().filter(|f| aligned(g * f.per_super)).map(|f| {
+                let supers = width / f.per_super;
+                let s = g * f.per_super;
+                Factors {
+                    per_super: f.per_super,
+                    scale_factors: cut(&f.scale_factors, rows, supers, start / s, len / s),
+                    scale_steps: cut(&f.scale_steps, rows, width, start / g, len / g),
+                    min_factors: cut(&f.min_factors, rows, supers, start / s, len / s),
+                    min_steps: cut(&f.min_steps, rows, width, start / g, len / g),
+                }
+            });
+            HostBlocks {
+                group: g,
+                levels: cut(&b.levels, rows, cols, start, len),
+                scales: cut(&b.scales, rows, width, start / g, len / g),
+                mins: cut(&b.mins, rows, width, start / g, len / g),
+                factors,
+            }
+        });
+        let data = match &blocks {
+            Some(_) if self.values_in_blocks() => Vec::new(),
+            _ => cut(&self.values(), rows, cols, start, len),
+        };
+        HostTensor { shape: vec![rows, len], data, blocks }
+    }
+
     /// The tensor whose row `r` is row `order[r]` of this one (a vector's elements are rows of one).
     pub fn with_rows(&self, order: &[usize]) -> HostTensor {
         let cols = self.cols();
