@@ -134,10 +134,17 @@ pub fn parse_device(name: &str) -> Result<Device> {
 }
 
 /// device="auto" picks the GPU, unless the CUDA kernels cannot run this model: then it runs on the CPU, with a
-/// warning that says why (device="cuda" refuses such a model instead).
+/// warning that says why (device="cuda" refuses such a model instead). Tensor parallelism runs on the CPU only
+/// for now, so under it "auto" is the CPU.
 fn auto_device(config: &Config, device: Device, path: &std::path::Path) -> Result<Device> {
     if device == Device::Cpu {
         return Ok(device);
+    }
+    if config.parallel.tensor_parallel_size > 1 {
+        if config.kv_cache_dtype == KvCacheDtype::Fp8 {
+            return invalid("kv_cache_dtype=\"fp8\" needs the CUDA backend, but tensor parallelism runs on the CPU for now; use kv_cache_dtype=\"auto\"");
+        }
+        return Ok(Device::Cpu);
     }
     // A model that cannot be read is load_model's to report, with its own message.
     let Ok(model_config) = crate::model::read_model_config(path) else {
@@ -196,15 +203,14 @@ impl RuntimeCoordinator {
     /// Load with a progress callback, called with (tensors loaded, tensors in all).
     pub fn with_progress(config: Config, progress: Option<LoadProgress>) -> Result<Self> {
         config.validate()?;
+        let path = std::path::Path::new(&config.model);
         let device = parse_device(&config.device)?;
+        let device = if config.device == "auto" { auto_device(&config, device, path)? } else { device };
         let world = config.parallel.tensor_parallel_size;
         if world > 1 {
-            let path = std::path::Path::new(&config.model);
             let model = crate::parallel::load_parallel(path, device, config.dtype, world, progress)?;
             return Self::from_parallel(model, &config);
         }
-        let path = std::path::Path::new(&config.model);
-        let device = if config.device == "auto" { auto_device(&config, device, path)? } else { device };
         let loaded = load_model(path, device, config.dtype, progress)?;
         Self::from_loaded(loaded, &config)
     }
@@ -512,6 +518,10 @@ mod tests {
         let config = Config::new(dir.display().to_string());
         assert_eq!(auto_device(&config, Device::Cuda(0), &dir).unwrap(), Device::Cuda(0));
         std::fs::remove_dir_all(&dir).unwrap();
+        let parallel = Config { parallel: ParallelConfig { tensor_parallel_size: 2, devices: Vec::new() }, ..config.clone() };
+        assert_eq!(auto_device(&parallel, Device::Cuda(0), &dir).unwrap(), Device::Cpu, "tensor parallelism is CPU-only");
+        let parallel_fp8 = Config { kv_cache_dtype: KvCacheDtype::Fp8, ..parallel };
+        assert!(auto_device(&parallel_fp8, Device::Cuda(0), &dir).unwrap_err().to_string().contains("tensor parallelism"));
         let missing = dir.join("absent.gguf");
         assert_eq!(auto_device(&config, Device::Cuda(1), &missing).unwrap(), Device::Cuda(1));
     }
