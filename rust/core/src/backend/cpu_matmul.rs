@@ -657,8 +657,7 @@ mod tests {
     }
 
     /// Every quantized type we read: how its levels are kept ("bytes", "nibbles", or "signed" nibbles, minus 8),
-    /// whether its constants are f16, and its group.
-    /// Each type's levels, how its constants are kept, its group, and whether it subtracts minimums.
+    /// how its constants are kept, its group, and whether it subtracts minimums.
     const BLOCK_TYPES: [(GgmlType, &str, &str, usize, bool); 12] = [
         (GgmlType::Q8_0, "bytes", "f16", 32, false),
         (GgmlType::Q4_0, "signed", "f16", 32, false),

@@ -132,6 +132,47 @@ pub struct LoadedModel {
 /// Called with (tensors loaded, tensors in all) while weights load; for progress bars.
 pub type LoadProgress<'a> = &'a (dyn Fn(usize, usize) + Sync);
 
+/// A Hugging Face directory or a .gguf file, opened: config, tokenizer and chat template read, the weights
+/// ready to read. Whoever loads it (one device, or the ranks of tensor parallelism) can decide from the config.
+pub struct Checkpoint {
+    pub config: ModelConfig,
+    pub tokenizer: std::sync::Arc<crate::text::tokenizer::Tokenizer>,
+    pub chat_template: Option<crate::text::chat_template::ChatTemplate>,
+    pub weights: Box<dyn loader::WeightSource>,
+    /// Where it came from, for `info`.
+    pub source: String,
+}
+
+impl Checkpoint {
+    pub fn open(path: &std::path::Path) -> Result<Checkpoint> {
+        if !path.exists() {
+            return crate::error::load_err(format!(
+                "model path {} does not exist; pass a Hugging Face model directory or a .gguf file",
+                path.display()
+            ));
+        }
+        if path.is_dir() {
+            loader::hf_dir::open(path)
+        } else if path.extension().is_some_and(|e| e.eq_ignore_ascii_case("gguf")) {
+            loader::gguf_model::open(path)
+        } else {
+            crate::error::load_err(format!(
+                "{} is neither a directory nor a .gguf file; pass a Hugging Face model directory or a .gguf file",
+                path.display()
+            ))
+        }
+    }
+
+    /// Read the weights onto `device`, kept as `dtype` (None: the device's default).
+    pub fn load(self, device: Device, dtype: Option<WeightDtype>, progress: Option<LoadProgress>) -> Result<LoadedModel> {
+        let Checkpoint { config, tokenizer, chat_template, weights, source } = self;
+        let counted = ProgressSource::new(weights.as_ref(), &config, progress);
+        let runner = llama::build_runner_with(&config, &counted, device, dtype)?;
+        counted.finish();
+        Ok(LoadedModel { config, runner, tokenizer, chat_template, source })
+    }
+}
+
 /// Load a Hugging Face directory or a .gguf file, keeping the weights as `dtype` (None: the device's default).
 pub fn load_model(
     path: &std::path::Path,
@@ -139,31 +180,7 @@ pub fn load_model(
     dtype: Option<WeightDtype>,
     progress: Option<LoadProgress>,
 ) -> Result<LoadedModel> {
-    if !path.exists() {
-        return crate::error::load_err(format!(
-            "model path {} does not exist; pass a Hugging Face model directory or a .gguf file",
-            path.display()
-        ));
-    }
-    if path.is_dir() {
-        loader::hf_dir::load(path, device, dtype, progress)
-    } else if path.extension().is_some_and(|e| e.eq_ignore_ascii_case("gguf")) {
-        loader::gguf_model::load(path, device, dtype, progress)
-    } else {
-        crate::error::load_err(format!(
-            "{} is neither a directory nor a .gguf file; pass a Hugging Face model directory or a .gguf file",
-            path.display()
-        ))
-    }
-}
-
-/// The model's configuration alone (config.json, or a GGUF's metadata), without its weights or tokenizer.
-pub fn read_model_config(path: &std::path::Path) -> Result<ModelConfig> {
-    if path.is_dir() {
-        loader::load_hf_config(path)
-    } else {
-        loader::gguf::GgufModel::open(path)?.config()
-    }
+    Checkpoint::open(path)?.load(device, dtype, progress)
 }
 
 /// A WeightSource that reports each tensor handed out, so loading can show progress.

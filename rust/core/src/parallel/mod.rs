@@ -7,7 +7,6 @@ pub mod collective;
 pub mod rank;
 pub mod shard;
 
-use std::path::Path;
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::Arc;
 
@@ -15,7 +14,7 @@ use crate::backend::cpu::CpuTensor;
 use crate::backend::{Backend, CpuBackend, CpuWeightFormat};
 use crate::error::{load_err, Error, Result};
 use crate::model::llama::LlamaModel;
-use crate::model::{Device, LoadProgress, ModelConfig, ModelRunner, ProgressSource, WeightDtype};
+use crate::model::{Checkpoint, Device, LoadProgress, ModelConfig, ModelRunner, ProgressSource, WeightDtype};
 use crate::sampling::Sampled;
 use crate::text::chat_template::ChatTemplate;
 use crate::text::tokenizer::Tokenizer;
@@ -103,25 +102,8 @@ pub struct ParallelModel {
     pub source: String,
 }
 
-/// Load a Hugging Face directory as `world` CPU ranks, each holding its shard.
-type Checkpoint = (ModelConfig, Arc<Tokenizer>, Option<ChatTemplate>, Box<dyn crate::model::loader::WeightSource>);
-
-/// A Hugging Face directory or a .gguf file: its metadata and its weights, to be sharded.
-fn open_checkpoint(path: &Path) -> Result<Checkpoint> {
-    use crate::model::loader::{gguf::GgufModel, gguf_model, hf_dir, SafetensorsSource};
-    if path.is_dir() {
-        let (config, tokenizer, chat_template) = hf_dir::load_metadata(path)?;
-        return Ok((config, tokenizer, chat_template, Box::new(SafetensorsSource::open(path)?)));
-    }
-    if path.extension().is_some_and(|e| e.eq_ignore_ascii_case("gguf")) {
-        let gguf = GgufModel::open(path)?;
-        let (config, tokenizer, chat_template) = gguf_model::load_metadata(&gguf)?;
-        return Ok((config, tokenizer, chat_template, Box::new(gguf)));
-    }
-    load_err(format!("{} is neither a directory nor a .gguf file; pass a Hugging Face model directory or a .gguf file", path.display()))
-}
-
-pub fn load_parallel(path: &Path, device: Device, dtype: Option<WeightDtype>, world: usize, progress: Option<LoadProgress>) -> Result<ParallelModel> {
+/// Load an opened checkpoint (a Hugging Face directory or a GGUF) as `world` CPU ranks, each holding its shard.
+pub fn load_parallel(checkpoint: Checkpoint, device: Device, dtype: Option<WeightDtype>, world: usize, progress: Option<LoadProgress>) -> Result<ParallelModel> {
     if device != Device::Cpu {
         return load_err(
             "tensor parallelism runs on the CPU backend only for now (multi-GPU needs NCCL); use device=\"cpu\" or tensor_parallel_size=1",
@@ -132,7 +114,7 @@ pub fn load_parallel(path: &Path, device: Device, dtype: Option<WeightDtype>, wo
         WeightDtype::Bf16 => CpuWeightFormat::Bf16,
         WeightDtype::Int8 => CpuWeightFormat::Int8,
     };
-    let (config, tokenizer, chat_template, weights) = open_checkpoint(path)?;
+    let Checkpoint { config, tokenizer, chat_template, weights, source } = checkpoint;
     let counted = ProgressSource::new(weights.as_ref(), &config, progress);
     let collective = Collective::new(world);
     let mut runners: Vec<Box<dyn ModelRunner>> = Vec::with_capacity(world);
@@ -149,5 +131,5 @@ pub fn load_parallel(path: &Path, device: Device, dtype: Option<WeightDtype>, wo
         faults.push(fault);
     }
     counted.finish();
-    Ok(ParallelModel { config, runners, collective, faults, tokenizer, chat_template, source: path.display().to_string() })
+    Ok(ParallelModel { config, runners, collective, faults, tokenizer, chat_template, source })
 }

@@ -382,7 +382,7 @@ mod tests {
 
     /// The tokenizer of the test fixture `name` (llama, qwen2, qwen3).
     fn fixture_tokenizer(name: &str) -> Tokenizer {
-        Tokenizer::from_file(&Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures").join(name).join("tokenizer.json")).unwrap()
+        Tokenizer::from_file(&crate::test_support::fixture_dir(name).join("tokenizer.json")).unwrap()
     }
 
     const FIXTURES: [&str; 3] = ["llama", "qwen2", "qwen3"];

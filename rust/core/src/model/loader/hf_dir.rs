@@ -6,21 +6,12 @@ use std::sync::Arc;
 use serde_json::Value;
 
 use crate::error::{load_err, Result};
-use crate::model::{llama, Device, LoadProgress, LoadedModel, ProgressSource, WeightDtype};
+use crate::model::Checkpoint;
 use crate::text::chat_template::ChatTemplate;
 use crate::text::tokenizer::Tokenizer;
 
-pub fn load(dir: &Path, device: Device, dtype: Option<WeightDtype>, progress: Option<LoadProgress>) -> Result<LoadedModel> {
-    let (config, tokenizer, chat_template) = load_metadata(dir)?;
-    let weights = super::safetensors::SafetensorsSource::open(dir)?;
-    let counted = ProgressSource::new(&weights, &config, progress);
-    let runner = llama::build_runner_with(&config, &counted, device, dtype)?;
-    counted.finish();
-    Ok(LoadedModel { config, runner, tokenizer, chat_template, source: dir.display().to_string() })
-}
-
-/// Everything but the weights: config, tokenizer and chat template.
-pub fn load_metadata(dir: &Path) -> Result<(crate::model::ModelConfig, Arc<Tokenizer>, Option<ChatTemplate>)> {
+/// Config, tokenizer and chat template read; the safetensors weights mapped, to be read when loaded.
+pub fn open(dir: &Path) -> Result<Checkpoint> {
     let config = super::safetensors::load_hf_config(dir)?;
     let tokenizer_path = dir.join("tokenizer.json");
     if !tokenizer_path.exists() {
@@ -28,7 +19,8 @@ pub fn load_metadata(dir: &Path) -> Result<(crate::model::ModelConfig, Arc<Token
     }
     let tokenizer = Arc::new(Tokenizer::from_file(&tokenizer_path)?);
     let chat_template = read_chat_template(dir)?;
-    Ok((config, tokenizer, chat_template))
+    let weights = Box::new(super::safetensors::SafetensorsSource::open(dir)?);
+    Ok(Checkpoint { config, tokenizer, chat_template, weights, source: dir.display().to_string() })
 }
 
 /// The chat template from chat_template.jinja or tokenizer_config.json, with its bos/eos token strings.

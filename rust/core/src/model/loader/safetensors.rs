@@ -219,10 +219,7 @@ fn convert<const N: usize>(bytes: &[u8], to_f32: impl Fn(&[u8; N]) -> f32 + Sync
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn fixture(name: &str) -> PathBuf {
-        Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures").join(name)
-    }
+    use crate::test_support::fixture_dir as fixture;
 
     #[test]
     fn sharded_and_single_checkpoints_open() {
