@@ -150,10 +150,11 @@ impl<B: Backend> LlamaModel<B> {
         let tied = config.tie_word_embeddings || !weights.has("lm_head.weight");
         let (embed_tokens, lm_head) = if tp.is_some() {
             // A vocab shard gets one extra zero row: ids owned by other ranks embed to zero before the all-reduce.
+            // Tied, the same table is the LM head; the zero row's logit (exactly 0) is dropped before the gather.
             let mut table = reader.read("model.embed_tokens.weight", &[vocab, hidden])?;
-            let head = if tied { table.clone() } else { reader.read("lm_head.weight", &[vocab, hidden])? };
+            let head = if tied { None } else { Some(reader.read("lm_head.weight", &[vocab, hidden])?) };
             table.append_zero_row();
-            (reader.upload_matrix(table)?, Some(reader.upload_matrix(head)?))
+            (reader.upload_matrix(table)?, head.map(|h| reader.upload_matrix(h)).transpose()?)
         } else {
             let embed_tokens = reader.matrix("model.embed_tokens.weight", vocab, hidden)?;
             let lm_head = if tied { None } else { Some(reader.matrix("lm_head.weight", vocab, hidden)?) };
@@ -231,11 +232,15 @@ impl<B: Backend> LlamaModel<B> {
         self.backend.norm_linear(&s.selected, &self.final_norm, eps, lm_head, None, &mut s.normed, &mut s.logits)?;
         let mut host = Vec::new();
         self.backend.copy_to_host(&s.logits, &mut host)?;
-        match &self.tp {
-            // Vocab-parallel LM head: join every rank's columns in rank (= vocab) order.
-            Some(tp) => tp.hooks.all_gather_columns(host, self.batch_rows()),
-            None => Ok(host),
+        let Some(tp) = &self.tp else {
+            return Ok(host);
+        };
+        let rows = self.batch_rows();
+        if self.lm_head.is_none() {
+            host = without_last_column(host, rows, self.config.vocab_size + 1);
         }
+        // Vocab-parallel LM head: join every rank's columns in rank (= vocab) order.
+        tp.hooks.all_gather_columns(host, rows)
     }
 
     fn batch_rows(&self) -> usize {
@@ -327,6 +332,16 @@ impl<B: Backend> ModelRunner for LlamaModel<B> {
     fn weight_bytes(&self) -> usize {
         self.weight_bytes
     }
+}
+
+/// Row-major `[rows, cols]` values less each row's last column.
+fn without_last_column(mut values: Vec<f32>, rows: usize, cols: usize) -> Vec<f32> {
+    debug_assert_eq!(values.len(), rows * cols);
+    for r in 0..rows {
+        values.copy_within(r * cols..(r + 1) * cols - 1, r * (cols - 1));
+    }
+    values.truncate(rows * (cols - 1));
+    values
 }
 
 /// `residual += x · weightᵀ (+ bias)`. Under tensor parallelism `weight` is a row-parallel shard, so the
@@ -456,5 +471,17 @@ impl<B: Backend> WeightReader<'_, B> {
         }
         self.parameters += tensor.value_count();
         Ok(tensor)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::without_last_column;
+
+    #[test]
+    fn the_last_column_of_every_row_goes() {
+        let values: Vec<f32> = (0..12).map(|v| v as f32).collect();
+        assert_eq!(without_last_column(values, 3, 4), vec![0.0, 1.0, 2.0, 4.0, 5.0, 6.0, 8.0, 9.0, 10.0]);
+        assert_eq!(without_last_column(Vec::new(), 0, 4), Vec::<f32>::new());
     }
 }
