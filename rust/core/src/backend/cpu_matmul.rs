@@ -280,9 +280,15 @@ pub fn pack_blocks(data: &[f32], blocks: &HostBlocks, n: usize, k: usize) -> Opt
     if blocks.levels.len() != n * k || !suits || !matches(data) {
         return None;
     }
-    let levels = if blocks.levels.par_iter().all(|q| (0..=15).contains(q)) {
+    // One pass for the range, chunk by chunk (a per-element parallel `all` spends its time on its flag).
+    let (lowest, highest) = blocks
+        .levels
+        .par_chunks(1 << 14)
+        .map(|c| c.iter().fold((i8::MAX, i8::MIN), |(lo, hi), &q| (lo.min(q), hi.max(q))))
+        .reduce(|| (i8::MAX, i8::MIN), |(a, b), (c, d)| (a.min(c), b.max(d)));
+    let levels = if lowest >= 0 && highest <= 15 {
         BlockLevels::Nibbles { values: pack_nibbles(&blocks.levels, n, k, 0), signed: false }
-    } else if blocks.levels.par_iter().all(|q| (-8..=7).contains(q)) {
+    } else if lowest >= -8 && highest <= 7 {
         BlockLevels::Nibbles { values: pack_nibbles(&blocks.levels, n, k, 8), signed: true }
     } else {
         BlockLevels::Bytes(pack(&blocks.levels, n, k, |_, q| q))
@@ -293,14 +299,15 @@ pub fn pack_blocks(data: &[f32], blocks: &HostBlocks, n: usize, k: usize) -> Opt
 /// A group's constants at [`block_param_index`], as f16 bit patterns when every one is an f16 value.
 fn pack_constants(blocks: &HostBlocks, n: usize, k: usize) -> BlockConstants {
     let (group, per_row) = (blocks.group, k / blocks.group);
-    fn place<T: Copy + Default>(values: impl Iterator<Item = T>, n: usize, k: usize, group: usize) -> Vec<T> {
+    fn place<T: Copy + Default>(mut values: impl Iterator<Item = T>, n: usize, k: usize, group: usize) -> Vec<T> {
         let mut out = vec![T::default(); padded_rows(n) * (k / group)];
-        for (i, v) in values.enumerate() {
-            out[block_param_index(i / (k / group), (i % (k / group)) * group, k, group)] = v;
+        for row in 0..n {
+            for (p, v) in (0..k).step_by(group).zip(values.by_ref()) {
+                out[block_param_index(row, p, k, group)] = v;
+            }
         }
         out
     }
-    let all_f16 = blocks.scales.iter().chain(&blocks.mins).all(|&c| f16_bits_of(c).is_some());
     debug_assert_eq!(blocks.scales.len(), n * per_row);
     // Bit for bit -0.0 only: `fma(q, s, +0.0)` and `q * s` differ in the sign of a zero product.
     let mins: &[f32] = if blocks.mins.iter().all(|m| m.to_bits() == (-0.0f32).to_bits()) { &[] } else { &blocks.mins };
@@ -311,7 +318,7 @@ fn pack_constants(blocks: &HostBlocks, n: usize, k: usize) -> BlockConstants {
         let (min_factors, min_steps) = if mins.is_empty() { (Vec::new(), Vec::new()) } else { (supers(&f.min_factors), steps(&f.min_steps)) };
         return BlockConstants::Factored { scale_factors: supers(&f.scale_factors), scale_steps: steps(&f.scale_steps), min_factors, min_steps, super_group };
     }
-    if all_f16 {
+    if blocks.scales.iter().chain(&blocks.mins).all(|&c| f16_bits_of(c).is_some()) {
         let bits = |v: &[f32]| place(v.iter().map(|&c| half::f16::from_f32(c).to_bits()), n, k, group);
         BlockConstants::F16 { scales: bits(&blocks.scales), mins: if mins.is_empty() { Vec::new() } else { bits(mins) } }
     } else {

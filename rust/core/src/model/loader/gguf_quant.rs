@@ -265,8 +265,15 @@ fn decode_blocks(
 fn factor_blocks(ty: GgmlType, data: &[u8], blocks: &HostBlocks, read: FactorReader) -> Option<Factors> {
     let per_super = ty.block_size() / blocks.group;
     let (scale_factors, min_factors): (Vec<f32>, Vec<f32>) = data.par_chunks_exact(ty.type_size()).map(read).unzip();
+    // Chunks, not elements, in parallel: a per-element Option collect costs more than step_of itself.
     let steps = |values: &[f32], factors: &[f32]| -> Option<Vec<i8>> {
-        values.par_iter().enumerate().map(|(g, &v)| step_of(v, factors[g / per_super])).collect()
+        let mut steps = vec![0i8; values.len()];
+        let exact = steps.par_chunks_mut(PAR_CHUNK).zip(values.par_chunks(PAR_CHUNK)).enumerate().all(|(chunk, (steps, values))| {
+            steps.iter_mut().zip(values).enumerate().all(|(i, (s, &v))| {
+                step_of(v, factors[(chunk * PAR_CHUNK + i) / per_super]).map(|step| *s = step).is_some()
+            })
+        });
+        exact.then_some(steps)
     };
     let scale_steps = steps(&blocks.scales, &scale_factors)?;
     let min_steps = steps(&blocks.mins, &min_factors)?;
@@ -275,13 +282,17 @@ fn factor_blocks(ty: GgmlType, data: &[u8], blocks: &HostBlocks, read: FactorRea
 
 /// The integer `s` with `factor * s` equal to `value` bit for bit (a zero factor may need -1 for a -0.0).
 fn step_of(value: f32, factor: f32) -> Option<i8> {
+    let exact = |s: f32| (-128.0..=127.0).contains(&s) && (factor * s).to_bits() == value.to_bits();
     let guess = if factor == 0.0 { 0.0 } else { (value / factor).round() };
-    [guess, -1.0, 1.0]
-        .into_iter()
-        .filter(|s| (-128.0..=127.0).contains(s))
-        .find(|&s| (factor * s).to_bits() == value.to_bits())
-        .map(|s| s as i8)
+    // The guess nearly always holds; ±1 covers a zero factor's signed zeros.
+    if exact(guess) {
+        return Some(guess as i8);
+    }
+    [-1.0, 1.0].into_iter().find(|&s| exact(s)).map(|s| s as i8)
 }
+
+/// Elements per parallel task of the loader's element-wise passes.
+const PAR_CHUNK: usize = 1 << 14;
 
 fn f16_at(bytes: &[u8], at: usize) -> f32 {
     f16::from_bits(u16::from_le_bytes([bytes[at], bytes[at + 1]])).to_f32()
@@ -423,7 +434,14 @@ fn k_nibble(qs: &[u8], e: usize) -> u8 {
 /// x = d*scale*q - dmin*min.
 fn block_q4_k(b: &[u8], levels: &mut [i8], scales: &mut [f32], mins: &mut [f32]) {
     k_constants(b, scales, mins);
-    levels.iter_mut().enumerate().for_each(|(e, l)| *l = k_nibble(&b[16..144], e) as i8);
+    // k_nibble's order, a 32-byte run (two sub-blocks) at a time, so the loops vectorize.
+    for (run, out) in b[16..144].chunks_exact(32).zip(levels.chunks_exact_mut(64)) {
+        let (low, high) = out.split_at_mut(32);
+        for ((&q, l), h) in run.iter().zip(low).zip(high) {
+            *l = (q & 0x0F) as i8;
+            *h = (q >> 4) as i8;
+        }
+    }
 }
 
 /// Q5_K super-block: as Q4_K plus 32 bytes `qh` whose bit j of byte l is the fifth bit of element l of
@@ -445,12 +463,16 @@ fn block_q6_k(b: &[u8], levels: &mut [i8], scales: &mut [f32], mins: &mut [f32])
         scales[g] = d * (b[192 + g] as i8) as f32;
         mins[g] = -0.0;
     }
-    for (e, l) in levels.iter_mut().enumerate() {
-        let (half, s, i) = (e / 128, e % 128 / 32, e % 32);
-        let ql = b[64 * half + i + 32 * (s % 2)];
-        let low = if s < 2 { ql & 0x0F } else { ql >> 4 };
-        let high = (b[128 + 32 * half + i] >> (2 * s)) & 3;
-        *l = (low | (high << 4)) as i8 - 32;
+    // Element 128 half + 32 s + i, a run of 32 at a time so the loops vectorize.
+    for (half, out) in levels.chunks_exact_mut(128).enumerate() {
+        let (ql, qh) = (&b[64 * half..64 * half + 64], &b[128 + 32 * half..160 + 32 * half]);
+        for (s, run) in out.chunks_exact_mut(32).enumerate() {
+            let (nibbles, shift) = (&ql[32 * (s % 2)..32 * (s % 2) + 32], 4 * (s / 2));
+            for ((l, &q), &h) in run.iter_mut().zip(nibbles).zip(qh) {
+                let (low, high) = ((q >> shift) & 0x0F, (h >> (2 * s)) & 3);
+                *l = (low | (high << 4)) as i8 - 32;
+            }
+        }
     }
 }
 

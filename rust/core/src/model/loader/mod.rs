@@ -44,10 +44,16 @@ impl Factors {
     /// Whether every scale and minimum is its factor times its step, bit for bit.
     pub fn rebuild(&self, scales: &[f32], mins: &[f32]) -> bool {
         use rayon::prelude::*;
+        // Chunks in parallel, each checked in order: a per-element parallel `all` spends its time on the flag.
+        const CHUNK: usize = 1 << 14;
         let exact = |factors: &[f32], steps: &[i8], values: &[f32]| {
             steps.len() == values.len()
                 && factors.len() * self.per_super == values.len()
-                && values.par_iter().zip(steps).enumerate().all(|(g, (v, &s))| (factors[g / self.per_super] * s as f32).to_bits() == v.to_bits())
+                && values.par_chunks(CHUNK).zip(steps.par_chunks(CHUNK)).enumerate().all(|(chunk, (values, steps))| {
+                    values.iter().zip(steps).enumerate().all(|(i, (v, &s))| {
+                        (factors[(chunk * CHUNK + i) / self.per_super] * s as f32).to_bits() == v.to_bits()
+                    })
+                })
         };
         exact(&self.scale_factors, &self.scale_steps, scales) && exact(&self.min_factors, &self.min_steps, mins)
     }
