@@ -157,6 +157,20 @@ def test_info_shows_the_default_model_kept_in_its_gguf_blocks() -> None:
         assert weight_bytes < parameters, f"{weight_bytes} bytes for {parameters} weights: the blocks were not kept"
 
 
+def test_tensor_parallel_size_shards_the_model_over_rank_threads() -> None:
+    args = ("--model", model_dir("qwen3"), "--device", "cpu", "--kv-cache-tokens", "512")
+    out = stepllm_cli("info", *args, "--tensor-parallel-size", "2")
+    assert out.returncode == 0, out.stderr
+    fields = dict(line.split(None, 1) for line in out.stdout.splitlines())
+    assert fields["device"].endswith("x2 (tensor parallel)"), fields["device"]
+    one = stepllm_cli("generate", "Hello", *args, "--max-tokens", "6")
+    two = stepllm_cli("generate", "Hello", *args, "--max-tokens", "6", "--tensor-parallel-size", "2")
+    assert one.returncode == two.returncode == 0, (one.stderr, two.stderr)
+    assert two.stdout == one.stdout
+    bad = stepllm_cli("info", *args, "--tensor-parallel-size", "3")
+    assert bad.returncode == 1 and "num_attention_heads" in bad.stderr, bad.stderr
+
+
 def test_missing_model_is_a_clear_error() -> None:
     out = stepllm_cli("generate", "hi", "--model", "/nonexistent/model", "--device", "cpu")
     assert out.returncode == 1

@@ -96,6 +96,12 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         "default: the device's (f32 on the CPU, bf16 on CUDA)",
     )
     p.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="rank threads, each stepping its own shard of the model (tensor parallelism; CPU)",
+    )
+    p.add_argument(
         "--kv-cache-dtype",
         default="auto",
         choices=["auto", "fp8"],
@@ -128,6 +134,7 @@ def open_engine(args: argparse.Namespace, max_batch_size: int | None = None) -> 
         dtype=args.dtype,
         max_prefill_tokens=args.max_prefill_tokens,
         kv_cache_dtype=args.kv_cache_dtype,
+        parallel=_core.ParallelConfig(tensor_parallel_size=args.tensor_parallel_size),
     )
     started = time.perf_counter()
     engine = Engine(config, progress=ProgressBar(f"loading {Path(model).name}"))
