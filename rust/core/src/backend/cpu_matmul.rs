@@ -283,7 +283,7 @@ pub fn pack_blocks(data: &[f32], blocks: &HostBlocks, n: usize, k: usize) -> Opt
     // One pass for the range, chunk by chunk (a per-element parallel `all` spends its time on its flag).
     let (lowest, highest) = blocks
         .levels
-        .par_chunks(1 << 14)
+        .par_chunks(crate::model::loader::PAR_CHUNK)
         .map(|c| c.iter().fold((i8::MAX, i8::MIN), |(lo, hi), &q| (lo.min(q), hi.max(q))))
         .reduce(|| (i8::MAX, i8::MIN), |(a, b), (c, d)| (a.min(c), b.max(d)));
     let levels = if lowest >= 0 && highest <= 15 {

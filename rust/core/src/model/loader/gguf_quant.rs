@@ -4,7 +4,7 @@
 //! Block layouts and arithmetic follow ggml's reference `dequantize_row_*` (ggml-quants.c), so results are
 //! bit-identical to llama.cpp's and gguf-py's. All multi-byte fields are little-endian.
 
-use super::{Factors, HostBlocks};
+use super::{Factors, HostBlocks, PAR_CHUNK};
 use crate::error::{load_err, Result};
 use half::f16;
 use rayon::prelude::*;
@@ -290,9 +290,6 @@ fn step_of(value: f32, factor: f32) -> Option<i8> {
     }
     [-1.0, 1.0].into_iter().find(|&s| exact(s)).map(|s| s as i8)
 }
-
-/// Elements per parallel task of the loader's element-wise passes.
-const PAR_CHUNK: usize = 1 << 14;
 
 fn f16_at(bytes: &[u8], at: usize) -> f32 {
     f16::from_bits(u16::from_le_bytes([bytes[at], bytes[at + 1]])).to_f32()

@@ -40,18 +40,20 @@ pub struct Factors {
     pub min_steps: Vec<i8>,
 }
 
+/// Elements per parallel task of the loader's element-wise passes (checks, integer steps, ranges): large enough
+/// that rayon's per-task cost and its short-circuit flag vanish beside the work.
+pub const PAR_CHUNK: usize = 1 << 14;
+
 impl Factors {
     /// Whether every scale and minimum is its factor times its step, bit for bit.
     pub fn rebuild(&self, scales: &[f32], mins: &[f32]) -> bool {
         use rayon::prelude::*;
-        // Chunks in parallel, each checked in order: a per-element parallel `all` spends its time on the flag.
-        const CHUNK: usize = 1 << 14;
         let exact = |factors: &[f32], steps: &[i8], values: &[f32]| {
             steps.len() == values.len()
                 && factors.len() * self.per_super == values.len()
-                && values.par_chunks(CHUNK).zip(steps.par_chunks(CHUNK)).enumerate().all(|(chunk, (values, steps))| {
+                && values.par_chunks(PAR_CHUNK).zip(steps.par_chunks(PAR_CHUNK)).enumerate().all(|(chunk, (values, steps))| {
                     values.iter().zip(steps).enumerate().all(|(i, (v, &s))| {
-                        (factors[(chunk * CHUNK + i) / self.per_super] * s as f32).to_bits() == v.to_bits()
+                        (factors[(chunk * PAR_CHUNK + i) / self.per_super] * s as f32).to_bits() == v.to_bits()
                     })
                 })
         };
