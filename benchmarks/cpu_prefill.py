@@ -19,20 +19,22 @@ import sys
 import time
 
 
-def prompt(n: int, shift: int) -> list[int]:
-    return [(1000 + 11 * j) % 40000 + 200 + shift for j in range(n)]
+def prompt(n: int, shift: int, vocab: int = 49152) -> list[int]:
+    """n token ids from 200 up, shifted by `shift` (< 4) so that each run misses the prefix cache."""
+    return [(1000 + 11 * j) % min(40000, vocab - 204) + 200 + shift for j in range(n)]
 
 
-def stepllm_seconds(gguf: str, n: int) -> float:
+def stepllm_seconds(model: str, n: int) -> float:
     import stepllm
 
-    llm = stepllm.LLM(model=gguf, device="cpu", kv_cache_tokens=n + 64, max_prefill_tokens=n)
+    llm = stepllm.LLM(model=model, device="cpu", kv_cache_tokens=n + 64, max_prefill_tokens=n)
+    vocab = llm.info()["vocab_size"]
     first = stepllm.SamplingParams(max_tokens=1, temperature=0.0)
-    llm.generate([prompt(16, 0)], first)  # warm-up
+    llm.generate([prompt(16, 0, vocab)], first)  # warm-up
     best = float("inf")
     for r in range(3):
         start = time.perf_counter()
-        llm.generate([prompt(n, r + 1)], first)
+        llm.generate([prompt(n, r + 1, vocab)], first)
         best = min(best, time.perf_counter() - start)
     llm.close()
     return best
@@ -42,12 +44,13 @@ def llama_cpp_seconds(gguf: str, n: int) -> float:
     from llama_cpp import Llama
 
     model = Llama(model_path=gguf, n_ctx=n + 16, n_batch=n, n_ubatch=n, n_threads=os.cpu_count() or 1, verbose=False)
-    model.eval(prompt(16, 0))  # warm-up
+    vocab = model.n_vocab()
+    model.eval(prompt(16, 0, vocab))  # warm-up
     best = float("inf")
     for r in range(3):
         model.reset()
         start = time.perf_counter()
-        model.eval(prompt(n, r + 1))
+        model.eval(prompt(n, r + 1, vocab))
         best = min(best, time.perf_counter() - start)
     return best
 

@@ -57,3 +57,11 @@ def test_exposed_spans_charge_overlaps_once_and_count_gaps_as_idle() -> None:
     assert gpu_profile.exposed_spans([]) == ({}, 0.0)
     assert gpu_profile.family(gpu_profile.IDLE) == "idle (no kernel running)"
     assert gpu_profile.family("paged_attention_fp8_mma_rope_d128_g2") == "decode attention"
+
+
+def test_cpu_prefill_times_one_prompt_per_run_on_cpu() -> None:
+    import cpu_prefill
+
+    seconds = cpu_prefill.stepllm_seconds(model_dir("llama"), 20)
+    assert 0.0 < seconds < 60.0
+    assert cpu_prefill.prompt(20, 1) != cpu_prefill.prompt(20, 2), "each run gets fresh tokens (no cache hits)"
