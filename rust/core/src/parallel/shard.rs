@@ -130,8 +130,9 @@ impl WeightSource for ShardedSource<'_> {
         let out = match self.split(hf_name) {
             Split::Whole => return Ok(full),
             Split::RankZeroOnly => {
-                let data = if self.layout.rank == 0 { full.values().into_owned() } else { vec![0.0; full.value_count()] };
-                return Ok(HostTensor::new(full.shape, data));
+                let shape = full.shape.clone();
+                let data = if self.layout.rank == 0 { full.into_values() } else { vec![0.0; full.value_count()] };
+                return Ok(HostTensor::new(shape, data));
             }
             Split::Rows { start, len } => {
                 if start + len > rows {

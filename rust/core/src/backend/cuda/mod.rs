@@ -35,7 +35,6 @@ pub fn build_runner(config: &ModelConfig, weights: &dyn WeightSource, ordinal: u
     Ok(Box::new(CudaRunner::new(model, backend)))
 }
 
-
 /// Why the CUDA kernels cannot run a model of this shape, if they cannot. Checked before anything loads, so that
 /// such a model is refused by name (or, under device="auto", runs on the CPU) instead of failing at its first step.
 pub fn unsupported(config: &ModelConfig) -> Option<String> {

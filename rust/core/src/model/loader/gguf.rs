@@ -238,17 +238,14 @@ impl GgufModel {
     /// A tensor by its GGUF name, dequantized to f32 in HF shape (dims reversed), with the blocks it was
     /// stored in when quantized; no renaming or un-permuting.
     pub fn dequantize(&self, gguf_name: &str) -> Result<HostTensor> {
-        let info = self.require_tensor(gguf_name)?;
-        let (data, blocks) = gguf_quant::dequantize(info.ggml_type, self.tensor_data(gguf_name)?, info.n_elements as usize)
-            .map_err(|e| with_context(e, &format!("tensor {gguf_name:?} in {}", self.source)))?;
-        Ok(HostTensor { shape: info.hf_shape(), data, blocks })
+        self.read_tensor(gguf_name, true)
     }
 
-    /// [`dequantize`](Self::dequantize) for loading: a quantized tensor comes as its blocks alone, its floats left
-    /// to `HostTensor::values` (only a backend that does not keep the blocks pays for them).
-    fn read_tensor(&self, gguf_name: &str) -> Result<HostTensor> {
+    /// A tensor by its GGUF name in HF shape; a quantized one as its blocks, with its floats too when `floats`
+    /// (loading leaves them to `HostTensor::values`: only a backend that does not keep the blocks pays for them).
+    fn read_tensor(&self, gguf_name: &str, floats: bool) -> Result<HostTensor> {
         let info = self.require_tensor(gguf_name)?;
-        let (data, blocks) = gguf_quant::decode(info.ggml_type, self.tensor_data(gguf_name)?, info.n_elements as usize, false)
+        let (data, blocks) = gguf_quant::decode(info.ggml_type, self.tensor_data(gguf_name)?, info.n_elements as usize, floats)
             .map_err(|e| with_context(e, &format!("tensor {gguf_name:?} in {}", self.source)))?;
         Ok(HostTensor { shape: info.hf_shape(), data, blocks })
     }
@@ -513,7 +510,7 @@ impl WeightSource for GgufModel {
     fn tensor(&self, hf_name: &str) -> Result<HostTensor> {
         let gguf_name = gguf_tensor_name(hf_name)
             .ok_or_else(|| Error::Load(format!("no GGUF tensor corresponds to Hugging Face tensor {hf_name:?}")))?;
-        let tensor = self.read_tensor(&gguf_name)?;
+        let tensor = self.read_tensor(&gguf_name, false)?;
         match self.rotary_heads(hf_name)? {
             Some(heads) => unpermute_rotary_rows(tensor, heads).map_err(|e| with_context(e, &format!("tensor {gguf_name:?}"))),
             None => Ok(tensor),
