@@ -1,7 +1,7 @@
 """Random-weight checkpoints with the shapes of real models, made with transformers (bf16 safetensors plus a
 WordLevel tokenizer of the full vocabulary size), for the GPU tests and benchmarks.
 
-    python3 benchmarks/gpu_models.py OUT_DIR [smollm2 qwen3 llama1b llama3s]
+    python3 benchmarks/gpu_models.py OUT_DIR [smollm2 qwen3 llama1b llama3s qwen2 d64g5 ...]
 
 The embedding (tied to the LM head) is scaled up so that logits are peaked and greedy choices are stable
 under bf16 rounding.
@@ -25,7 +25,17 @@ SHAPES = {
     "llama3s": dict(arch="llama", hidden=576, layers=30, heads=9, kv=3, head_dim=64, inter=1536, vocab=49152, theta=100000.0,
                     rope=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                               original_max_position_embeddings=32), qk_scale=3.0),
+    # Qwen2.5-0.5B: q/k/v bias, and 7 query heads per KV head.
+    "qwen2": dict(arch="qwen2", hidden=896, layers=24, heads=14, kv=2, head_dim=64, inter=4864, vocab=151936, theta=1000000.0),
 }
+# Small checkpoints for the decode attention's other (head_dim, query heads per KV head) pairs, which no shape above
+# has: Qwen2.5-1.5B has 6 at head_dim 128, Llama-3.2-3B 3, and the kernels are instantiated for all of 1..8.
+# (transformers wants the hidden size to be a multiple of the heads, whatever head_dim is.)
+GROUP_SHAPES = [f"d{d}g{g}" for d, g in [(64, 5), (64, 6), (128, 3), (128, 5), (128, 6), (128, 7)]]
+for _name in GROUP_SHAPES:
+    _d, _g = (int(x) for x in _name[1:].split("g"))
+    SHAPES[_name] = dict(arch="llama", hidden=128 * _g, layers=3, heads=2 * _g, kv=2, head_dim=_d, inter=1024, vocab=8192,
+                         theta=10000.0, qk_scale=2.0)
 EMBED_SCALE = 8.0
 
 
@@ -48,6 +58,9 @@ def make(name: str, out: Path, seed: int = 0) -> Path:
     if s["arch"] == "qwen3":
         config = transformers.Qwen3Config(**common)
         model = transformers.Qwen3ForCausalLM(config)
+    elif s["arch"] == "qwen2":
+        config = transformers.Qwen2Config(**common)
+        model = transformers.Qwen2ForCausalLM(config)
     else:
         config = transformers.LlamaConfig(**common)
         if "rope" in s:  # transformers 5 names it rope_parameters, 4.x rope_scaling
@@ -61,6 +74,8 @@ def make(name: str, out: Path, seed: int = 0) -> Path:
         for n, p in model.named_parameters():
             if "norm" in n:  # random norm weights exercise the kernels better than ones
                 p.uniform_(0.5, 1.5)
+            elif n.endswith("bias"):  # as do biases that are not zero
+                p.uniform_(-0.5, 0.5)
             elif n.endswith(("q_proj.weight", "k_proj.weight")):
                 p.mul_(s.get("qk_scale", 1.0))
     model = model.to(torch.bfloat16)

@@ -611,16 +611,17 @@ __device__ void paged_attention_mma(const bf16* __restrict__ qkv, int width, con
                               (paged_attention_mma<D, G, KV>))
 
 // Every shape the host may ask for (DECODE_ATTENTION_SHAPES in rust/core/src/backend/cuda/backend.rs lists the
-// same; a model of another shape is refused at load). The templates take any G <= 8 at head_dim 64 or 128; the
-// GPU tests' checkpoints run G = 3 and 4 at head_dim 64 and G = 2 at 128. A shape added here (Qwen2.5-0.5B has
-// G = 7, Qwen2.5-1.5B 6, Llama-3.2-3B 3 at 128) should come with a test checkpoint of its own.
-#define ATTENTION_SHAPES(NAME, KV)       \
-    ATTENTION_KERNELS(NAME, KV, 64, 1)   \
-    ATTENTION_KERNELS(NAME, KV, 64, 2)   \
-    ATTENTION_KERNELS(NAME, KV, 64, 3)   \
-    ATTENTION_KERNELS(NAME, KV, 64, 4)   \
-    ATTENTION_KERNELS(NAME, KV, 64, 8)   \
-    ATTENTION_KERNELS(NAME, KV, 128, 1)  \
-    ATTENTION_KERNELS(NAME, KV, 128, 2)  \
-    ATTENTION_KERNELS(NAME, KV, 128, 4)  \
-    ATTENTION_KERNELS(NAME, KV, 128, 8)
+// same): head_dim 64 or 128 with 1 to 8 query heads per KV head, which covers the Llama, Qwen2/2.5/3, Mistral and
+// SmolLM2 families (Qwen2.5-0.5B has 7, Qwen2.5-1.5B 6, Llama-3.2-3B 3).
+#define ATTENTION_GROUPS(NAME, KV, D)   \
+    ATTENTION_KERNELS(NAME, KV, D, 1)   \
+    ATTENTION_KERNELS(NAME, KV, D, 2)   \
+    ATTENTION_KERNELS(NAME, KV, D, 3)   \
+    ATTENTION_KERNELS(NAME, KV, D, 4)   \
+    ATTENTION_KERNELS(NAME, KV, D, 5)   \
+    ATTENTION_KERNELS(NAME, KV, D, 6)   \
+    ATTENTION_KERNELS(NAME, KV, D, 7)   \
+    ATTENTION_KERNELS(NAME, KV, D, 8)
+#define ATTENTION_SHAPES(NAME, KV)    \
+    ATTENTION_GROUPS(NAME, KV, 64)    \
+    ATTENTION_GROUPS(NAME, KV, 128)

@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import gpu_models  # noqa: E402
 from conftest import check_invariants, run_alone  # noqa: E402
 
-SHAPES = ["smollm2", "qwen3", "llama1b", "llama3s"]
+SHAPES = ["smollm2", "qwen3", "llama1b", "llama3s", "qwen2", *gpu_models.GROUP_SHAPES]
 PROMPT = [(7 * i + 3) % 397 + 2 for i in range(40)]
 
 
@@ -199,7 +199,7 @@ def test_gpu_greedy_matches_transformers(shape: tuple[str, Path]) -> None:
     assert_greedy_agrees(out.output_ids, ref, top2(rows), name)
 
 
-@pytest.mark.parametrize("name", ["smollm2", "qwen3", "llama1b", "llama3s"])
+@pytest.mark.parametrize("name", ["smollm2", "qwen3", "llama1b", "llama3s", "qwen2", *gpu_models.GROUP_SHAPES])
 def test_gpu_matches_cpu_backend(name: str, models_dir: Path) -> None:
     path = gpu_models.make(name, models_dir)
     prompts = [PROMPT[: 10 + 7 * i] for i in range(3)]
@@ -526,7 +526,8 @@ def test_fp8_prefix_cache_hit_equals_miss(models_dir: Path) -> None:
     assert_released(coord)
 
 
-@pytest.mark.parametrize("name,kv_cache_dtype", [("qwen3", "auto"), ("qwen3", "fp8"), ("smollm2", "auto"), ("smollm2", "fp8")])
+@pytest.mark.parametrize("name,kv_cache_dtype", [("qwen3", "auto"), ("qwen3", "fp8"), ("smollm2", "auto"), ("smollm2", "fp8"),
+                                                   ("qwen2", "auto"), *((g, "auto") for g in gpu_models.GROUP_SHAPES)])
 def test_tensor_core_decode_attention_matches_cuda_core_kernel(name: str, kv_cache_dtype: str, models_dir: Path,
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """Decode attention runs on tensor cores when the cache's block size is a multiple of 16

@@ -40,7 +40,8 @@ enum QkRotation<'a> {
     InKernel(Option<(&'a CudaVector, &'a CudaVector)>),
 }
 /// (head_dim, query heads per KV head) of every decode attention kernel: ATTENTION_SHAPES in kernels/attention.cuh.
-pub(super) const DECODE_ATTENTION_SHAPES: [(usize, &[usize]); 2] = [(64, &[1, 2, 3, 4, 8]), (128, &[1, 2, 4, 8])];
+pub(super) const DECODE_ATTENTION_SHAPES: [(usize, &[usize]); 2] = [(64, &ALL_GROUPS), (128, &ALL_GROUPS)];
+const ALL_GROUPS: [usize; 8] = [1, 2, 3, 4, 5, 6, 7, 8];
 /// Arguments the rotating attention kernels take after the plain ones.
 const ROTATION_ARGS: usize = 6;
 
