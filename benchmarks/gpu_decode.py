@@ -44,19 +44,19 @@ import stepllm
 
 
 def stepllm_run(path: Path, batches: list[int], prompt_len: int, new: int, max_prefill_tokens: int | None = None,
-                kv_cache_dtype: str = "auto") -> dict:
+                kv_cache_dtype: str = "auto", parallel: stepllm.ParallelConfig | None = None) -> dict:
     import torch
 
     t0 = time.perf_counter()
     cfg = stepllm.Config(model=str(path), device="cuda", max_batch_size=max(batches), kv_cache_tokens=max(batches) * (prompt_len + new + 16),
-                         max_prefill_tokens=max_prefill_tokens, kv_cache_dtype=kv_cache_dtype)
+                         max_prefill_tokens=max_prefill_tokens, kv_cache_dtype=kv_cache_dtype, parallel=parallel)
     coord = stepllm.RuntimeCoordinator(cfg)
     t_load = time.perf_counter() - t0
     t1 = time.perf_counter()
     graphs = coord.capture_decoding_cuda_graph()
     t_capture = time.perf_counter() - t1
     free, total = torch.cuda.mem_get_info()
-    res = {"load_s": t_load, "capture_s": t_capture, "graphs": graphs, "mem_gib": (total - free) / 2**30}
+    res = {"load_s": t_load, "capture_s": t_capture, "graphs": graphs, "mem_gib": (total - free) / 2**30, "device": coord.info()["device"]}
     rng = random.Random(0)
     vocab = coord.info()["vocab_size"]
     for b in batches:

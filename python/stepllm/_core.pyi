@@ -406,7 +406,9 @@ class ContextCacheConfig:
 
 @final
 class ParallelConfig:
-    """None takes the default: tensor_parallel_size [1], devices [none]."""
+    """None takes the default: tensor_parallel_size [1], devices [none]. `devices` lists each rank's CUDA device
+    (one per rank; ranks may share one, then all-reducing through host memory); none listed, the ranks take
+    consecutive GPUs from the Config's device. The CPU ignores it."""
     def __new__(cls, tensor_parallel_size: int | None = None, devices: Sequence[int] | None = None) -> ParallelConfig: ...
     @property
     def tensor_parallel_size(self) -> int: ...

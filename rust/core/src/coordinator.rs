@@ -95,12 +95,6 @@ impl Config {
                 self.parallel.devices.len()
             ));
         }
-        let mut seen = self.parallel.devices.clone();
-        seen.sort_unstable();
-        seen.dedup();
-        if seen.len() != self.parallel.devices.len() {
-            return invalid("parallel.devices lists a device twice; each rank needs its own");
-        }
         let device = parse_device(&self.device)?;
         if self.kv_cache_dtype == KvCacheDtype::Fp8 && device == Device::Cpu {
             return invalid(format!(
@@ -134,19 +128,19 @@ pub fn parse_device(name: &str) -> Result<Device> {
 }
 
 /// device="auto" picks the GPU, unless the CUDA kernels cannot run this model: then it runs on the CPU, with a
-/// warning that says why (device="cuda" refuses such a model instead). Tensor parallelism runs on the CPU only
-/// for now, so under it "auto" is the CPU.
-fn auto_device(config: &Config, device: Device, model: &crate::model::ModelConfig) -> Result<Device> {
+/// warning that says why (device="cuda" refuses such a model instead). Under tensor parallelism it picks the GPUs
+/// when the ranks' devices are listed or enough GPUs are `visible`, and the CPU otherwise.
+fn auto_device(config: &Config, device: Device, model: &crate::model::ModelConfig, visible: usize) -> Result<Device> {
     if device == Device::Cpu {
         return Ok(device);
     }
-    if config.parallel.tensor_parallel_size > 1 {
-        if config.kv_cache_dtype == KvCacheDtype::Fp8 {
-            return invalid("kv_cache_dtype=\"fp8\" needs the CUDA backend, but tensor parallelism runs on the CPU for now; use kv_cache_dtype=\"auto\"");
-        }
-        return Ok(Device::Cpu);
-    }
-    let Some(why) = crate::backend::cuda::unsupported(model) else {
+    let world = config.parallel.tensor_parallel_size;
+    let why = if world > 1 && config.parallel.devices.is_empty() && visible < world {
+        Some(format!("tensor_parallel_size {world} needs {world} GPUs but {visible} are visible (list them in ParallelConfig(devices=...) to share one)"))
+    } else {
+        crate::backend::cuda::unsupported(model)
+    };
+    let Some(why) = why else {
         return Ok(device);
     };
     if config.kv_cache_dtype == KvCacheDtype::Fp8 {
@@ -201,10 +195,14 @@ impl RuntimeCoordinator {
         config.validate()?;
         let device = parse_device(&config.device)?;
         let checkpoint = Checkpoint::open(std::path::Path::new(&config.model))?;
-        let device = if config.device == "auto" { auto_device(&config, device, &checkpoint.config)? } else { device };
+        let device = if config.device == "auto" {
+            auto_device(&config, device, &checkpoint.config, crate::backend::cuda::device::device_count())?
+        } else {
+            device
+        };
         let world = config.parallel.tensor_parallel_size;
         if world > 1 {
-            let model = crate::parallel::load_parallel(checkpoint, device, config.dtype, world, progress)?;
+            let model = crate::parallel::load_parallel(checkpoint, device, config.dtype, world, &config.parallel.devices, progress)?;
             return Self::from_parallel(model, &config);
         }
         let loaded = checkpoint.load(device, config.dtype, progress)?;
@@ -494,23 +492,27 @@ mod tests {
         let path = crate::test_support::fixture_dir("llama");
         let model = crate::model::loader::load_hf_config(&path).unwrap();
         let config = Config::new(path.display().to_string());
-        assert_eq!(auto_device(&config, Device::Cuda(0), &model).unwrap(), Device::Cpu);
-        assert_eq!(auto_device(&config, Device::Cpu, &model).unwrap(), Device::Cpu);
+        assert_eq!(auto_device(&config, Device::Cuda(0), &model, 1).unwrap(), Device::Cpu);
+        assert_eq!(auto_device(&config, Device::Cpu, &model, 1).unwrap(), Device::Cpu);
         let fp8 = Config { kv_cache_dtype: KvCacheDtype::Fp8, ..config };
-        let message = auto_device(&fp8, Device::Cuda(0), &model).unwrap_err().to_string();
+        let message = auto_device(&fp8, Device::Cuda(0), &model, 1).unwrap_err().to_string();
         assert!(message.contains("head_dim 16 with 2 query heads") && message.contains("fp8"), "{message}");
     }
 
     #[test]
-    fn auto_keeps_the_gpu_for_a_shape_it_covers_except_under_tensor_parallelism() {
+    fn auto_keeps_the_gpus_for_a_shape_they_cover_when_every_rank_has_one() {
         let smollm2_shape = r#"{"architectures": ["LlamaForCausalLM"], "vocab_size": 49152, "hidden_size": 576,
             "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3}"#;
         let model = ModelConfig::from_hf_json(smollm2_shape).unwrap();
         let config = Config::new("smollm2-shape");
-        assert_eq!(auto_device(&config, Device::Cuda(0), &model).unwrap(), Device::Cuda(0));
-        let parallel = Config { parallel: ParallelConfig { tensor_parallel_size: 2, devices: Vec::new() }, ..config };
-        assert_eq!(auto_device(&parallel, Device::Cuda(0), &model).unwrap(), Device::Cpu, "tensor parallelism is CPU-only");
+        assert_eq!(auto_device(&config, Device::Cuda(0), &model, 1).unwrap(), Device::Cuda(0));
+        let parallel = Config { parallel: ParallelConfig { tensor_parallel_size: 3, devices: Vec::new() }, ..config };
+        assert_eq!(auto_device(&parallel, Device::Cuda(0), &model, 4).unwrap(), Device::Cuda(0));
+        assert_eq!(auto_device(&parallel, Device::Cuda(0), &model, 2).unwrap(), Device::Cpu, "3 ranks, 2 GPUs");
+        let listed = Config { parallel: ParallelConfig { tensor_parallel_size: 3, devices: vec![0, 0, 1] }, ..parallel.clone() };
+        assert_eq!(auto_device(&listed, Device::Cuda(0), &model, 2).unwrap(), Device::Cuda(0), "ranks may share the listed GPUs");
         let parallel_fp8 = Config { kv_cache_dtype: KvCacheDtype::Fp8, ..parallel };
-        assert!(auto_device(&parallel_fp8, Device::Cuda(0), &model).unwrap_err().to_string().contains("tensor parallelism"));
+        let message = auto_device(&parallel_fp8, Device::Cuda(0), &model, 2).unwrap_err().to_string();
+        assert!(message.contains("needs 3 GPUs but 2 are visible") && message.contains("fp8"), "{message}");
     }
 }

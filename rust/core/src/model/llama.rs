@@ -230,6 +230,9 @@ impl<B: Backend> LlamaModel<B> {
         let eps = self.config.rms_norm_eps;
         self.backend.select_logits_rows(&s.residual, &self.batch, &mut s.selected)?;
         self.backend.norm_linear(&s.selected, &self.final_norm, eps, lm_head, None, &mut s.normed, &mut s.logits)?;
+        if let Some(tp) = &self.tp {
+            tp.hooks.settle(&self.backend)?;
+        }
         let mut host = Vec::new();
         self.backend.copy_to_host(&s.logits, &mut host)?;
         let Some(tp) = &self.tp else {

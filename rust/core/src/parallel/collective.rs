@@ -137,6 +137,11 @@ impl Collective {
         }
     }
 
+    /// The current command's failure, if a rank has failed it (for ranks that wait on a device, not in an exchange).
+    pub fn failure_now(&self) -> Option<Error> {
+        Self::failure(&self.lock())
+    }
+
     /// Fail the current command on every rank with `message`; the first message wins.
     pub fn poison(&self, message: impl Into<String>) -> Error {
         let mut s = self.lock();

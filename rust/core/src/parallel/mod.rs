@@ -12,7 +12,7 @@ use std::sync::Arc;
 
 use crate::backend::cpu::CpuTensor;
 use crate::backend::{Backend, CpuBackend, CpuWeightFormat};
-use crate::error::{load_err, Error, Result};
+use crate::error::{Error, Result};
 use crate::model::llama::LlamaModel;
 use crate::model::{Checkpoint, Device, LoadProgress, ModelConfig, ModelRunner, ProgressSource, WeightDtype};
 use crate::sampling::Sampled;
@@ -32,6 +32,12 @@ pub trait TensorParallelHooks<B: Backend>: Send {
     fn broadcast_sampled(&self, sampled: Option<Vec<Sampled>>) -> Result<Vec<Sampled>>;
     /// This rank failed on its own: fail the command on every rank; returns the error to report.
     fn fail(&self, error: Error) -> Error;
+    /// Wait until this rank's queued device work is done, before the host reads a result. Where that work waits
+    /// on the other ranks (device-side collectives), a rank that failed must end the wait with an error, not hang
+    /// it; backends whose collectives run on the host have nothing to wait for.
+    fn settle(&self, _backend: &B) -> Result<()> {
+        Ok(())
+    }
 }
 
 /// In-process collectives for CPU ranks, with a fault switch for tests.
@@ -52,13 +58,18 @@ pub enum Fault {
     Panic = 2,
 }
 
+/// Suffer the fault injected into `rank`'s next collective, if any (then the switch clears).
+pub(crate) fn take_injected_fault(fault: &AtomicU8, collective: &Collective, rank: usize) -> Result<()> {
+    match fault.swap(0, Ordering::SeqCst) {
+        0 => Ok(()),
+        f if f == Fault::Panic as u8 => panic!("tensor-parallel rank {rank} panicked (injected fault)"),
+        _ => Err(collective.poison(format!("tensor-parallel rank {rank} failed (injected fault)"))),
+    }
+}
+
 impl CpuRankHooks {
     fn check_fault(&self) -> Result<()> {
-        match self.fault.swap(0, Ordering::SeqCst) {
-            0 => Ok(()),
-            f if f == Fault::Panic as u8 => panic!("tensor-parallel rank {} panicked (injected fault)", self.rank),
-            _ => Err(self.collective.poison(format!("tensor-parallel rank {} failed (injected fault)", self.rank))),
-        }
+        take_injected_fault(&self.fault, &self.collective, self.rank)
     }
 }
 
@@ -102,34 +113,106 @@ pub struct ParallelModel {
     pub source: String,
 }
 
-/// Load an opened checkpoint (a Hugging Face directory or a GGUF) as `world` CPU ranks, each holding its shard.
-pub fn load_parallel(checkpoint: Checkpoint, device: Device, dtype: Option<WeightDtype>, world: usize, progress: Option<LoadProgress>) -> Result<ParallelModel> {
-    if device != Device::Cpu {
-        return load_err(
-            "tensor parallelism runs on the CPU backend only for now (multi-GPU needs NCCL); use device=\"cpu\" or tensor_parallel_size=1",
-        );
-    }
+/// Load an opened checkpoint (a Hugging Face directory or a GGUF) as `world` ranks, each holding its shard: CPU
+/// ranks, or CUDA ranks on `devices` (one ordinal per rank; none listed: consecutive GPUs from the device's).
+pub fn load_parallel(
+    checkpoint: Checkpoint,
+    device: Device,
+    dtype: Option<WeightDtype>,
+    world: usize,
+    devices: &[usize],
+    progress: Option<LoadProgress>,
+) -> Result<ParallelModel> {
+    let Checkpoint { config, tokenizer, chat_template, weights, source } = checkpoint;
+    let counted = ProgressSource::new(weights.as_ref(), &config, progress);
+    let collective = Collective::new(world);
+    let faults: Vec<Arc<AtomicU8>> = (0..world).map(|_| Arc::new(AtomicU8::new(0))).collect();
+    let runners = match device {
+        Device::Cpu => load_cpu_ranks(&config, &counted, dtype, &collective, &faults)?,
+        Device::Cuda(first) => {
+            let ordinals = rank_ordinals(first, devices, world, crate::backend::cuda::device::device_count())?;
+            crate::backend::cuda::load_ranks(&config, &counted, &ordinals, &collective, &faults)?
+        }
+    };
+    counted.finish();
+    Ok(ParallelModel { config, runners, collective, faults, tokenizer, chat_template, source })
+}
+
+fn load_cpu_ranks(
+    config: &ModelConfig,
+    weights: &dyn crate::model::loader::WeightSource,
+    dtype: Option<WeightDtype>,
+    collective: &Arc<Collective>,
+    faults: &[Arc<AtomicU8>],
+) -> Result<Vec<Box<dyn ModelRunner>>> {
     let format = match dtype.unwrap_or(WeightDtype::F32) {
         WeightDtype::F32 => CpuWeightFormat::F32,
         WeightDtype::Bf16 => CpuWeightFormat::Bf16,
         WeightDtype::Int8 => CpuWeightFormat::Int8,
     };
-    let Checkpoint { config, tokenizer, chat_template, weights, source } = checkpoint;
-    let counted = ProgressSource::new(weights.as_ref(), &config, progress);
-    let collective = Collective::new(world);
-    let mut runners: Vec<Box<dyn ModelRunner>> = Vec::with_capacity(world);
-    let mut faults = Vec::with_capacity(world);
-    for rank in 0..world {
-        let layout = ShardLayout::new(&config, rank, world)?;
-        let local = layout.local_config(&config);
-        let vocab_start = layout.vocab_start();
-        let source = ShardedSource { inner: &counted, layout, head_dim: config.head_dim };
-        let fault = Arc::new(AtomicU8::new(0));
-        let hooks = CpuRankHooks { rank, collective: Arc::clone(&collective), fault: Arc::clone(&fault) };
-        let model = LlamaModel::load_rank(CpuBackend::new(format), &config, &local, &source, vocab_start, Box::new(hooks))?;
+    let mut runners: Vec<Box<dyn ModelRunner>> = Vec::with_capacity(faults.len());
+    for (rank, fault) in faults.iter().enumerate() {
+        let hooks = CpuRankHooks { rank, collective: Arc::clone(collective), fault: Arc::clone(fault) };
+        let model = load_rank_model(CpuBackend::new(format), config, weights, rank, faults.len(), Box::new(hooks))?;
         runners.push(Box::new(model));
-        faults.push(fault);
     }
-    counted.finish();
-    Ok(ParallelModel { config, runners, collective, faults, tokenizer, chat_template, source })
+    Ok(runners)
+}
+
+/// Rank `rank` of `world`: its shard of `weights`, loaded onto `backend`.
+pub(crate) fn load_rank_model<B: Backend>(
+    backend: B,
+    config: &ModelConfig,
+    weights: &dyn crate::model::loader::WeightSource,
+    rank: usize,
+    world: usize,
+    hooks: Box<dyn TensorParallelHooks<B>>,
+) -> Result<LlamaModel<B>> {
+    let layout = ShardLayout::new(config, rank, world)?;
+    let local = layout.local_config(config);
+    let vocab_start = layout.vocab_start();
+    let source = ShardedSource { inner: weights, layout, head_dim: config.head_dim };
+    LlamaModel::load_rank(backend, config, &local, &source, vocab_start, hooks)
+}
+
+/// Each rank's GPU: the listed ordinals, or `world` consecutive ones from `first`; all of them among the
+/// `visible` devices. Ranks may share a GPU (they then all-reduce through host memory).
+pub fn rank_ordinals(first: usize, listed: &[usize], world: usize, visible: usize) -> Result<Vec<usize>> {
+    let ordinals: Vec<usize> = if listed.is_empty() { (first..first + world).collect() } else { listed.to_vec() };
+    if ordinals.len() != world {
+        return Err(Error::InvalidRequest(format!("parallel.devices lists {} devices for {world} ranks", ordinals.len())));
+    }
+    if let Some(&missing) = ordinals.iter().find(|&&o| o >= visible) {
+        let hint = if listed.is_empty() {
+            format!(
+                "; list the GPUs in ParallelConfig(devices=...): e.g. devices={:?} runs every rank on cuda:{first} (a test \
+                 setup with no speed-up)",
+                vec![first; world]
+            )
+        } else {
+            String::new()
+        };
+        return Err(Error::Device(format!(
+            "tensor_parallel_size {world} needs cuda:{missing}, but {visible} CUDA device(s) are visible{hint}"
+        )));
+    }
+    Ok(ordinals)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ranks_take_consecutive_gpus_or_the_listed_ones_and_a_missing_gpu_is_named() {
+        assert_eq!(rank_ordinals(0, &[], 2, 2).unwrap(), vec![0, 1]);
+        assert_eq!(rank_ordinals(2, &[], 2, 4).unwrap(), vec![2, 3]);
+        assert_eq!(rank_ordinals(0, &[0, 0], 2, 1).unwrap(), vec![0, 0], "ranks may share a GPU");
+        assert_eq!(rank_ordinals(0, &[3, 1], 2, 4).unwrap(), vec![3, 1]);
+        let short = rank_ordinals(0, &[], 2, 1).unwrap_err().to_string();
+        assert!(short.contains("needs cuda:1, but 1 CUDA device(s) are visible") && short.contains("devices=[0, 0]"), "{short}");
+        let listed = rank_ordinals(0, &[0, 5], 2, 2).unwrap_err().to_string();
+        assert!(listed.contains("needs cuda:5") && !listed.contains("devices="), "{listed}");
+        assert!(rank_ordinals(0, &[0], 2, 2).is_err());
+    }
 }

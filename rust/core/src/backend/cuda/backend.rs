@@ -329,6 +329,26 @@ impl CudaBackend {
         self.inner.kernels.sample
     }
 
+    /// `x`'s values as f32 on the host, whatever the logits mode (a tensor-parallel all-reduce through host memory).
+    pub(super) fn download_f32(&self, x: &CudaTensor, out: &mut Vec<f32>) -> Result<()> {
+        let mut host = vec![bf16::ZERO; x.rows * x.cols];
+        self.inner.gpu.download(&mut host, x.ptr())?;
+        out.clear();
+        out.extend(host.iter().map(|v| v.to_f32()));
+        Ok(())
+    }
+
+    /// Overwrite `x` (same shape) with `values`, rounded to bf16.
+    pub(super) fn upload_f32(&self, x: &CudaTensor, values: &[f32]) -> Result<()> {
+        if values.len() != x.rows * x.cols {
+            return internal(format!("upload: {} values for a [{}, {}] tensor", values.len(), x.rows, x.cols));
+        }
+        let host: Vec<bf16> = values.iter().map(|&v| bf16::from_f32(v)).collect();
+        self.inner.gpu.upload(x.ptr(), &host)?;
+        // The staging vector is dropped on return: wait until the driver has read it.
+        self.inner.gpu.synchronize()
+    }
+
     /// Make sure `t` can hold `[rows, cols]` bf16, then shape it so.
     fn ensure(&self, t: &mut CudaTensor, rows: usize, cols: usize) -> Result<()> {
         let bytes = rows * cols * 2;

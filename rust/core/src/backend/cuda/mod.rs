@@ -7,6 +7,7 @@ pub mod backend;
 pub mod blas;
 pub mod device;
 pub mod gemv;
+pub mod parallel;
 pub mod runner;
 pub mod sampler;
 pub mod skinny_gemm;
@@ -14,10 +15,15 @@ pub mod skinny_gemm;
 pub use backend::CudaBackend;
 pub use runner::CudaRunner;
 
+use std::sync::atomic::AtomicU8;
+use std::sync::Arc;
+
 use crate::error::Result;
 use crate::model::llama::LlamaModel;
 use crate::model::loader::WeightSource;
 use crate::model::{ModelConfig, ModelRunner};
+use crate::parallel::collective::Collective;
+use parallel::{AllReducePath, CudaRankHooks, CudaRankRunner, NcclComm};
 
 /// Whether the CUDA backend can run here: kernels were built in and a driver sees at least one GPU.
 pub fn available() -> bool {
@@ -33,6 +39,35 @@ pub fn build_runner(config: &ModelConfig, weights: &dyn WeightSource, ordinal: u
     }
     let model = LlamaModel::load(backend.clone(), config, weights)?;
     Ok(Box::new(CudaRunner::new(model, backend)))
+}
+
+/// Load a Llama-family model as one tensor-parallel rank per ordinal in `ordinals`, each rank's shard on its GPU
+/// (see [`parallel`]).
+pub fn load_ranks(
+    config: &ModelConfig,
+    weights: &dyn WeightSource,
+    ordinals: &[usize],
+    collective: &Arc<Collective>,
+    faults: &[Arc<AtomicU8>],
+) -> Result<Vec<Box<dyn ModelRunner>>> {
+    let backends = ordinals.iter().map(|&o| CudaBackend::new(o)).collect::<Result<Vec<_>>>()?;
+    if let Some(why) = unsupported(config) {
+        return crate::error::load_err(format!("{why}; load this model with device=\"cpu\""));
+    }
+    let world = ordinals.len();
+    let path = parallel::all_reduce_path(ordinals, parallel::nccl_present(), std::env::var_os("STEPLLM_NO_NCCL").is_some());
+    let mut comms: Vec<Option<NcclComm>> = match path {
+        AllReducePath::Nccl => NcclComm::create_group(&backends)?.into_iter().map(Some).collect(),
+        AllReducePath::Host => (0..world).map(|_| None).collect(),
+    };
+    let mut runners: Vec<Box<dyn ModelRunner>> = Vec::with_capacity(world);
+    for (rank, (backend, nccl)) in backends.into_iter().zip(comms.drain(..)).enumerate() {
+        backend.gpu().bind()?;
+        let hooks = CudaRankHooks { rank, collective: Arc::clone(collective), fault: Arc::clone(&faults[rank]), nccl };
+        let model = crate::parallel::load_rank_model(backend.clone(), config, weights, rank, world, Box::new(hooks))?;
+        runners.push(Box::new(CudaRankRunner::new(model, backend, path)));
+    }
+    Ok(runners)
 }
 
 /// Why the CUDA kernels cannot run a model of this shape, if they cannot. Checked before anything loads, so that
