@@ -230,9 +230,6 @@ impl<B: Backend> LlamaModel<B> {
         let eps = self.config.rms_norm_eps;
         self.backend.select_logits_rows(&s.residual, &self.batch, &mut s.selected)?;
         self.backend.norm_linear(&s.selected, &self.final_norm, eps, lm_head, None, &mut s.normed, &mut s.logits)?;
-        if let Some(tp) = &self.tp {
-            tp.hooks.settle(&self.backend)?;
-        }
         let mut host = Vec::new();
         self.backend.copy_to_host(&s.logits, &mut host)?;
         let Some(tp) = &self.tp else {
@@ -272,6 +269,11 @@ impl<B: Backend> LlamaModel<B> {
             self.backend.upload_batch(&plan, &mut tp.embed_batch)?;
         }
         self.run_decoder()?;
+        if let Some(tp) = &self.tp {
+            // Every forward ends here with no collective still pending on the device, whether or not it wants
+            // logits: a later host wait could otherwise block on a rank that already failed.
+            tp.hooks.settle(&self.backend)?;
+        }
         self.logits()
     }
 }
