@@ -51,10 +51,12 @@ pub fn load_ranks(
     faults: &[Arc<AtomicU8>],
 ) -> Result<Vec<Box<dyn ModelRunner>>> {
     let backends = ordinals.iter().map(|&o| CudaBackend::new(o)).collect::<Result<Vec<_>>>()?;
-    if let Some(why) = unsupported(config) {
+    let world = ordinals.len();
+    // A rank's attention has its shard's heads: replicated KV heads can change the query heads per KV head.
+    let rank_shape = crate::parallel::shard::ShardLayout::new(config, 0, world)?.local_config(config);
+    if let Some(why) = unsupported(&rank_shape) {
         return crate::error::load_err(format!("{why}; load this model with device=\"cpu\""));
     }
-    let world = ordinals.len();
     let path = parallel::all_reduce_path(ordinals, parallel::nccl_present(), std::env::var_os("STEPLLM_NO_NCCL").is_some());
     let mut comms: Vec<Option<NcclComm>> = match path {
         AllReducePath::Nccl => NcclComm::create_group(&backends)?.into_iter().map(Some).collect(),
