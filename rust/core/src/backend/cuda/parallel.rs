@@ -214,12 +214,12 @@ impl TensorParallelHooks<CudaBackend> for CudaRankHooks {
             if let Some(why) = comm.async_error() {
                 return Err(self.fail(Error::Device(format!("tensor-parallel rank {}: {why}", self.rank))));
             }
-            // A step takes from tens of microseconds to seconds: spin briefly, then give the core away.
-            polls += 1;
-            if polls < 1000 {
-                std::hint::spin_loop();
-            } else {
-                std::thread::yield_now();
+            // A step takes from tens of microseconds to seconds: spin briefly, then yield, then sleep a little.
+            polls = polls.saturating_add(1);
+            match polls {
+                0..1000 => std::hint::spin_loop(),
+                1000..100_000 => std::thread::yield_now(),
+                _ => std::thread::sleep(std::time::Duration::from_micros(50)),
             }
         }
     }
