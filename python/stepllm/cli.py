@@ -99,7 +99,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         "--tensor-parallel-size",
         type=int,
         default=1,
-        help="rank threads, each stepping its own shard of the model (tensor parallelism; CPU)",
+        help="rank threads, each stepping its own shard of the model (tensor parallelism: CPU, or a GPU per rank)",
     )
     p.add_argument(
         "--kv-cache-dtype",
