@@ -209,14 +209,23 @@ impl<'a> ProgressSource<'a> {
     }
 }
 
-impl loader::WeightSource for ProgressSource<'_> {
-    fn tensor(&self, hf_name: &str) -> Result<loader::HostTensor> {
-        let t = self.inner.tensor(hf_name)?;
+impl ProgressSource<'_> {
+    fn count(&self, t: loader::HostTensor) -> loader::HostTensor {
         let done = self.done.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
         if let Some(p) = self.progress {
             p(done.min(self.total), self.total);
         }
-        Ok(t)
+        t
+    }
+}
+
+impl loader::WeightSource for ProgressSource<'_> {
+    fn tensor(&self, hf_name: &str) -> Result<loader::HostTensor> {
+        self.inner.tensor(hf_name).map(|t| self.count(t))
+    }
+
+    fn tensor_part(&self, hf_name: &str, part: loader::TensorPart) -> Result<loader::HostTensor> {
+        self.inner.tensor_part(hf_name, part).map(|t| self.count(t))
     }
 
     fn has(&self, hf_name: &str) -> bool {

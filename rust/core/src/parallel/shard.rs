@@ -4,8 +4,8 @@
 //! where there are fewer KV heads than ranks, each KV head is replicated on `n / num_kv_heads` ranks (as
 //! vLLM does).
 
-use crate::error::{load_err, Result};
-use crate::model::loader::{HostTensor, WeightSource};
+use crate::error::{load_err, Error, Result};
+use crate::model::loader::{HostTensor, TensorPart, WeightSource};
 use crate::model::ModelConfig;
 
 /// What rank `rank` of `world` holds.
@@ -81,10 +81,8 @@ pub struct ShardedSource<'a> {
 
 enum Split {
     Whole,
-    /// Output rows (or vector elements) `[start, start + len)` in units of `unit` rows.
-    Rows { start: usize, len: usize },
-    /// Input columns `[start, start + len)`.
-    Cols { start: usize, len: usize },
+    /// A row or column range of the tensor.
+    Part(TensorPart),
     /// Rank 0 keeps it; the others get zeros (a bias added after a row-parallel matmul).
     RankZeroOnly,
 }
@@ -93,10 +91,12 @@ impl ShardedSource<'_> {
     fn split(&self, name: &str) -> Split {
         let l = &self.layout;
         let hd = self.head_dim;
-        let q = Split::Rows { start: l.rank * l.heads_per_rank * hd, len: l.heads_per_rank * hd };
-        let kv = Split::Rows { start: l.kv_head_start * hd, len: l.kv_heads_per_rank * hd };
-        let mlp = Split::Rows { start: l.rank * l.intermediate_per_rank, len: l.intermediate_per_rank };
-        let vocab = Split::Rows { start: l.vocab_start(), len: l.vocab_per_rank };
+        let rows = |start, len| Split::Part(TensorPart::Rows { start, len });
+        let cols = |start, len| Split::Part(TensorPart::Cols { start, len });
+        let q = rows(l.rank * l.heads_per_rank * hd, l.heads_per_rank * hd);
+        let kv = rows(l.kv_head_start * hd, l.kv_heads_per_rank * hd);
+        let mlp = rows(l.rank * l.intermediate_per_rank, l.intermediate_per_rank);
+        let vocab = rows(l.vocab_start(), l.vocab_per_rank);
         let ends = |s: &str| name.ends_with(s);
         if ends("q_proj.weight") || ends("q_proj.bias") {
             q
@@ -105,9 +105,9 @@ impl ShardedSource<'_> {
         } else if ends("gate_proj.weight") || ends("up_proj.weight") {
             mlp
         } else if ends("o_proj.weight") {
-            Split::Cols { start: l.rank * l.heads_per_rank * hd, len: l.heads_per_rank * hd }
+            cols(l.rank * l.heads_per_rank * hd, l.heads_per_rank * hd)
         } else if ends("down_proj.weight") {
-            Split::Cols { start: l.rank * l.intermediate_per_rank, len: l.intermediate_per_rank }
+            cols(l.rank * l.intermediate_per_rank, l.intermediate_per_rank)
         } else if ends("o_proj.bias") {
             Split::RankZeroOnly
         } else if name == "model.embed_tokens.weight" || name == "lm_head.weight" {
@@ -120,37 +120,19 @@ impl ShardedSource<'_> {
 
 impl WeightSource for ShardedSource<'_> {
     fn tensor(&self, hf_name: &str) -> Result<HostTensor> {
-        let full = self.inner.tensor(hf_name)?;
-        let (rows, cols) = match full.shape[..] {
-            [r, c] => (r, c),
-            [r] => (r, 1),
-            _ => return load_err(format!("tensor {hf_name:?} of shape {:?} cannot be sharded", full.shape)),
-        };
-        let vector = full.shape.len() == 1;
-        let out = match self.split(hf_name) {
-            Split::Whole => return Ok(full),
+        match self.split(hf_name) {
+            Split::Whole => self.inner.tensor(hf_name),
+            Split::Part(part) => self.inner.tensor_part(hf_name, part).map_err(|e| match e {
+                Error::Load(why) => Error::Load(format!("tensor-parallel rank {}: {why}", self.layout.rank)),
+                other => other,
+            }),
             Split::RankZeroOnly => {
+                let full = self.inner.tensor(hf_name)?;
                 let shape = full.shape.clone();
                 let data = if self.layout.rank == 0 { full.into_values() } else { vec![0.0; full.value_count()] };
-                return Ok(HostTensor::new(shape, data));
+                Ok(HostTensor::new(shape, data))
             }
-            Split::Rows { start, len } => {
-                if start + len > rows {
-                    return load_err(format!("tensor {hf_name:?} has {rows} rows; rank {} needs rows {start}..{}", self.layout.rank, start + len));
-                }
-                // Whole rows keep a quantized tensor's blocks.
-                let mut part = full.with_rows(&(start..start + len).collect::<Vec<_>>());
-                part.shape[0] = len;
-                part
-            }
-            Split::Cols { start, len } => {
-                if vector || start + len > cols {
-                    return load_err(format!("tensor {hf_name:?} has {cols} columns; rank {} needs columns {start}..{}", self.layout.rank, start + len));
-                }
-                full.with_cols(start, len)
-            }
-        };
-        Ok(out)
+        }
     }
 
     fn has(&self, hf_name: &str) -> bool {

@@ -293,9 +293,69 @@ impl HostTensor {
     }
 }
 
+/// The part of a tensor that a tensor-parallel rank keeps.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TensorPart {
+    /// Rows `[start, start + len)` of a matrix, or elements of a vector.
+    Rows { start: usize, len: usize },
+    /// Columns `[start, start + len)` of a matrix.
+    Cols { start: usize, len: usize },
+}
+
+impl TensorPart {
+    /// Why a tensor of `shape` has no such part, if it has none.
+    pub fn check(self, hf_name: &str, shape: &[usize]) -> crate::Result<()> {
+        let rows = shape.first().copied().unwrap_or(0);
+        match (self, shape.len()) {
+            (_, 0) | (_, 3..) => crate::error::load_err(format!("tensor {hf_name:?} of shape {shape:?} cannot be sharded")),
+            (TensorPart::Rows { start, len }, _) if start + len > rows => {
+                crate::error::load_err(format!("tensor {hf_name:?} has {rows} rows; the shard needs rows {start}..{}", start + len))
+            }
+            (TensorPart::Cols { start, len }, n) if n == 1 || start + len > shape[1] => crate::error::load_err(format!(
+                "tensor {hf_name:?} of shape {shape:?} has no columns {start}..{} for the shard",
+                start + len
+            )),
+            _ => Ok(()),
+        }
+    }
+
+    /// The shape of the part of a tensor of `shape` (checked).
+    fn shape(self, shape: &[usize]) -> Vec<usize> {
+        let mut out = shape.to_vec();
+        match self {
+            TensorPart::Rows { len, .. } => out[0] = len,
+            TensorPart::Cols { len, .. } => out[1] = len,
+        }
+        out
+    }
+}
+
+impl HostTensor {
+    /// `part` of this tensor. Whole rows keep a quantized tensor's blocks, and so do columns cut on the format's
+    /// group boundaries.
+    pub fn into_part(self, hf_name: &str, part: TensorPart) -> crate::Result<HostTensor> {
+        part.check(hf_name, &self.shape)?;
+        Ok(match part {
+            TensorPart::Rows { start, len } => {
+                let mut rows = self.with_rows(&(start..start + len).collect::<Vec<_>>());
+                rows.shape = part.shape(&self.shape);
+                rows
+            }
+            TensorPart::Cols { start, len } => self.with_cols(start, len),
+        })
+    }
+}
+
 /// Anything that can hand out weights by Hugging Face tensor name, e.g. "model.layers.0.self_attn.q_proj.weight".
 pub trait WeightSource {
     fn tensor(&self, hf_name: &str) -> crate::Result<HostTensor>;
+
+    /// `part` of a tensor (a tensor-parallel rank's shard). The default reads the whole tensor and cuts it; a
+    /// source that can read a part alone overrides it, so that N ranks convert the checkpoint once, not N times.
+    fn tensor_part(&self, hf_name: &str, part: TensorPart) -> crate::Result<HostTensor> {
+        self.tensor(hf_name)?.into_part(hf_name, part)
+    }
+
     fn has(&self, hf_name: &str) -> bool;
 }
 

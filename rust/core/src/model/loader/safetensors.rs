@@ -1,7 +1,7 @@
 //! Hugging Face safetensors checkpoints: one `model.safetensors` or shards listed by
 //! `model.safetensors.index.json`, memory-mapped; F32, F16 and BF16 tensors are converted to f32 on request.
 
-use super::{HostTensor, WeightSource};
+use super::{HostTensor, TensorPart, WeightSource};
 use crate::error::{load_err, Error, Result};
 use crate::model::config::{ids_from, ModelConfig};
 use ::safetensors::tensor::{Dtype, Metadata, SafeTensors, TensorInfo};
@@ -126,6 +126,13 @@ impl WeightSource for SafetensorsSource {
         self.shards[at].tensor(hf_name)
     }
 
+    fn tensor_part(&self, hf_name: &str, part: TensorPart) -> Result<HostTensor> {
+        let Some(&at) = self.shard_of.get(hf_name) else {
+            return load_err(format!("the checkpoint has no tensor {hf_name:?}"));
+        };
+        self.shards[at].tensor_part(hf_name, part)
+    }
+
     fn has(&self, hf_name: &str) -> bool {
         self.shard_of.contains_key(hf_name)
     }
@@ -147,24 +154,55 @@ impl Shard {
     }
 
     fn tensor(&self, name: &str) -> Result<HostTensor> {
-        let info = self.metadata.info(name).ok_or_else(|| {
-            Error::Load(format!("{} does not hold tensor {name:?}", self.path.display()))
-        })?;
+        let info = self.info(name)?;
+        Ok(HostTensor::new(info.shape.clone(), self.floats(name, info.dtype, self.bytes(info))?))
+    }
+
+    /// Only the part's bytes are converted: each tensor-parallel rank reads its shard, not the whole tensor.
+    fn tensor_part(&self, name: &str, part: TensorPart) -> Result<HostTensor> {
+        let info = self.info(name)?;
+        part.check(name, &info.shape)?;
         let bytes = self.bytes(info);
+        let size = match info.dtype {
+            Dtype::F32 => 4,
+            Dtype::F16 | Dtype::BF16 => 2,
+            other => return Err(self.unsupported(name, other)),
+        };
+        let row = info.shape.iter().skip(1).product::<usize>() * size;
+        let floats = match part {
+            TensorPart::Rows { start, len } => self.floats(name, info.dtype, &bytes[start * row..(start + len) * row])?,
+            TensorPart::Cols { start, len } => {
+                let (from, to) = (start * size, (start + len) * size);
+                let cut: Vec<u8> = bytes.chunks_exact(row).flat_map(|r| &r[from..to]).copied().collect();
+                self.floats(name, info.dtype, &cut)?
+            }
+        };
+        Ok(HostTensor::new(part.shape(&info.shape), floats))
+    }
+
+    fn info(&self, name: &str) -> Result<&TensorInfo> {
+        self.metadata
+            .info(name)
+            .ok_or_else(|| Error::Load(format!("{} does not hold tensor {name:?}", self.path.display())))
+    }
+
+    /// `bytes` of tensor `name`, stored as `dtype`, as f32.
+    fn floats(&self, name: &str, dtype: Dtype, bytes: &[u8]) -> Result<Vec<f32>> {
         // Converted on every core: a billion-parameter checkpoint is gigabytes, and loading is on the cold start.
-        let data = match info.dtype {
+        Ok(match dtype {
             Dtype::F32 => convert(bytes, |b: &[u8; 4]| f32::from_le_bytes(*b)),
             Dtype::F16 => convert(bytes, |b: &[u8; 2]| half::f16::from_le_bytes(*b).to_f32()),
             Dtype::BF16 => convert(bytes, |b: &[u8; 2]| half::bf16::from_le_bytes(*b).to_f32()),
-            other => {
-                return load_err(format!(
-                    "tensor {name:?} in {} has dtype {other:?}; stepllm reads F32, F16 and BF16 checkpoints \
-                     (quantized safetensors are not supported)",
-                    self.path.display()
-                ))
-            }
-        };
-        Ok(HostTensor::new(info.shape.clone(), data))
+            other => return Err(self.unsupported(name, other)),
+        })
+    }
+
+    fn unsupported(&self, name: &str, dtype: Dtype) -> Error {
+        Error::Load(format!(
+            "tensor {name:?} in {} has dtype {dtype:?}; stepllm reads F32, F16 and BF16 checkpoints (quantized \
+             safetensors are not supported)",
+            self.path.display()
+        ))
     }
 
     fn bytes(&self, info: &TensorInfo) -> &[u8] {
@@ -234,6 +272,56 @@ mod tests {
     fn generation_config_eos_ids_are_merged() {
         let config = load_hf_config(&fixture("qwen3")).unwrap();
         assert_eq!(config.eos_token_ids, vec![2, 0]);
+    }
+
+    /// A tensor-parallel rank's part, read alone, equals the part cut from the whole tensor, for every dtype read;
+    /// a part outside the tensor or an unread dtype is an error, not a panic.
+    #[test]
+    fn a_part_read_alone_equals_the_part_cut_from_the_whole_tensor() {
+        use ::safetensors::tensor::{serialize_to_file, TensorView};
+        let values: Vec<f32> = (0..15).map(|i| i as f32 * 0.25 - 1.5).collect();
+        let f32s: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let f16s: Vec<u8> = values.iter().flat_map(|&v| half::f16::from_f32(v).to_le_bytes()).collect();
+        let bf16s: Vec<u8> = values.iter().flat_map(|&v| half::bf16::from_f32(v).to_le_bytes()).collect();
+        let ints = vec![7u8; 15];
+        let dir = std::env::temp_dir().join(format!("stepllm-part-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let tensors = [
+            ("m.f32", TensorView::new(Dtype::F32, vec![3, 5], &f32s).unwrap()),
+            ("m.f16", TensorView::new(Dtype::F16, vec![3, 5], &f16s).unwrap()),
+            ("m.bf16", TensorView::new(Dtype::BF16, vec![3, 5], &bf16s).unwrap()),
+            ("v.bf16", TensorView::new(Dtype::BF16, vec![15], &bf16s).unwrap()),
+            ("m.i8", TensorView::new(Dtype::I8, vec![3, 5], &ints).unwrap()),
+        ];
+        serialize_to_file(tensors, None, &dir.join(SINGLE_FILE)).unwrap();
+        let source = SafetensorsSource::open(&dir).unwrap();
+        let parts = [
+            TensorPart::Rows { start: 0, len: 3 },
+            TensorPart::Rows { start: 1, len: 2 },
+            TensorPart::Cols { start: 0, len: 5 },
+            TensorPart::Cols { start: 2, len: 2 },
+        ];
+        for name in ["m.f32", "m.f16", "m.bf16"] {
+            for part in parts {
+                let alone = source.tensor_part(name, part).unwrap();
+                assert_eq!(alone, source.tensor(name).unwrap().into_part(name, part).unwrap(), "{name} {part:?}");
+            }
+        }
+        let cols = source.tensor_part("m.bf16", TensorPart::Cols { start: 2, len: 2 }).unwrap();
+        assert_eq!((cols.shape.clone(), cols.data), (vec![3, 2], vec![-1.0, -0.75, 0.25, 0.5, 1.5, 1.75]));
+        let elements = TensorPart::Rows { start: 4, len: 6 };
+        let alone = source.tensor_part("v.bf16", elements).unwrap();
+        assert_eq!((alone.shape.clone(), &alone.data[..]), (vec![6], &values[4..10]));
+        for (name, part, why) in [
+            ("m.f32", TensorPart::Rows { start: 2, len: 2 }, "has 3 rows; the shard needs rows 2..4"),
+            ("m.f32", TensorPart::Cols { start: 4, len: 2 }, "has no columns 4..6"),
+            ("v.bf16", TensorPart::Cols { start: 0, len: 1 }, "has no columns 0..1"),
+            ("m.i8", TensorPart::Rows { start: 0, len: 1 }, "has dtype I8"),
+        ] {
+            let err = source.tensor_part(name, part).unwrap_err().to_string();
+            assert!(err.contains(why), "{name} {part:?}: {err}");
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]
