@@ -77,6 +77,23 @@ def test_llm_generate_and_engine_with_parallel():
     assert got == want_engine
 
 
+def test_load_progress_ends_with_the_last_rank():
+    """Each rank reads its own shard of every tensor, one rank after the other: the bar counts all of them, so it
+    reaches its total with the last rank's last tensor, not halfway through."""
+    totals = {}
+    for tp in (1, 2):
+        calls = []
+        parallel = stepllm.ParallelConfig(tensor_parallel_size=tp)
+        with stepllm.Engine(model=model_dir("qwen2"), device="cpu", parallel=parallel, progress=lambda d, t: calls.append((d, t))):
+            pass
+        dones = [d for d, _ in calls]
+        [total] = {t for _, t in calls}
+        assert dones == sorted(dones) and dones[0] == 0 and dones[-1] == total, calls
+        assert dones.index(total) >= len(dones) - 2, f"the bar was full after {dones.index(total)} of {len(dones)} reports"
+        totals[tp] = total
+    assert totals[2] == 2 * totals[1]
+
+
 def test_rank_failure_fails_the_step_everywhere_without_hanging():
     coord = stepllm.RuntimeCoordinator(tp_config("qwen3", 4))
     stepped = coord.begin_stepped(stepllm.GenerationRequest("Hello", greedy(6)))

@@ -166,7 +166,7 @@ impl Checkpoint {
     /// Read the weights onto `device`, kept as `dtype` (None: the device's default).
     pub fn load(self, device: Device, dtype: Option<WeightDtype>, progress: Option<LoadProgress>) -> Result<LoadedModel> {
         let Checkpoint { config, tokenizer, chat_template, weights, source } = self;
-        let counted = ProgressSource::new(weights.as_ref(), &config, progress);
+        let counted = ProgressSource::new(weights.as_ref(), &config, 1, progress);
         let runner = llama::build_runner_with(&config, &counted, device, dtype)?;
         counted.finish();
         Ok(LoadedModel { config, runner, tokenizer, chat_template, source })
@@ -192,10 +192,12 @@ pub struct ProgressSource<'a> {
 }
 
 impl<'a> ProgressSource<'a> {
-    pub fn new(inner: &'a dyn loader::WeightSource, config: &ModelConfig, progress: Option<LoadProgress<'a>>) -> Self {
+    /// `ranks` models read their tensors from `inner` one after the other (tensor-parallel ranks, each its shard),
+    /// so the bar reaches its end with the last rank, not the first.
+    pub fn new(inner: &'a dyn loader::WeightSource, config: &ModelConfig, ranks: usize, progress: Option<LoadProgress<'a>>) -> Self {
         // embeddings, final norm and (maybe) lm_head, plus per layer: 2 norms, 7 matrices, optional bias/qk-norm
         let per_layer = 9 + if config.qkv_bias { 3 } else { 0 } + if config.qk_norm { 2 } else { 0 };
-        let total = 2 + usize::from(!config.tie_word_embeddings) + per_layer * config.num_layers;
+        let total = ranks * (2 + usize::from(!config.tie_word_embeddings) + per_layer * config.num_layers);
         if let Some(p) = progress {
             p(0, total);
         }

@@ -124,7 +124,7 @@ pub fn load_parallel(
     progress: Option<LoadProgress>,
 ) -> Result<ParallelModel> {
     let Checkpoint { config, tokenizer, chat_template, weights, source } = checkpoint;
-    let counted = ProgressSource::new(weights.as_ref(), &config, progress);
+    let counted = ProgressSource::new(weights.as_ref(), &config, world, progress);
     let collective = Collective::new(world);
     let faults: Vec<Arc<AtomicU8>> = (0..world).map(|_| Arc::new(AtomicU8::new(0))).collect();
     let runners = match device {
