@@ -209,9 +209,8 @@ impl<'a> ProgressSource<'a> {
             p(self.total, self.total);
         }
     }
-}
 
-impl ProgressSource<'_> {
+    /// Report one more tensor handed out.
     fn count(&self, t: loader::HostTensor) -> loader::HostTensor {
         let done = self.done.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
         if let Some(p) = self.progress {
