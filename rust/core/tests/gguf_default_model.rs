@@ -96,3 +96,9 @@ fn gguf_default_model_dequantizes_every_tensor_with_config_shapes() {
         assert!(mean_abs > 1e-4 && mean_abs < 10.0, "{name}: implausible mean |w| {mean_abs}");
     }
 }
+
+#[test]
+fn gguf_default_model_tensor_parallel_parts_read_alone_equal_parts_cut() {
+    let Some(model) = open_or_skip("gguf_default_model_tensor_parallel_parts_read_alone_equal_parts_cut") else { return };
+    common::assert_parts_read_alone_equal_parts_cut(&model, &model.config().unwrap());
+}

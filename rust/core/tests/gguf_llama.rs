@@ -1,6 +1,8 @@
 //! A tiny llama GGUF whose q/k rows were permuted as llama.cpp's convert_hf_to_gguf.py does
 //! (tests/fixtures/gguf/make_gguf_fixtures.py): config, vocabulary, names and the un-permutation.
 
+mod common;
+
 use serde_json::Value;
 use std::path::PathBuf;
 use stepllm_core::model::loader::gguf::{gguf_tensor_name, unpermute_rotary_rows, GgufModel};
@@ -57,6 +59,12 @@ fn gguf_vocab_and_chat_template() {
     assert_eq!((vocab.bos_id, vocab.eos_id, vocab.add_bos), (Some(1), Some(2), true));
     assert_eq!(vocab.pre.as_deref(), Some("smollm"));
     assert_eq!(model.chat_template().as_deref(), want["chat_template"].as_str());
+}
+
+#[test]
+fn gguf_tensor_parallel_parts_read_alone_equal_parts_cut_from_the_whole_tensor() {
+    let (model, _) = open();
+    common::assert_parts_read_alone_equal_parts_cut(&model, &model.config().unwrap());
 }
 
 #[test]

