@@ -173,7 +173,8 @@ impl Shard {
             TensorPart::Rows { start, len } => self.floats(name, info.dtype, &bytes[start * row..(start + len) * row])?,
             TensorPart::Cols { start, len } => {
                 let (from, to) = (start * size, (start + len) * size);
-                let cut: Vec<u8> = bytes.chunks_exact(row).flat_map(|r| &r[from..to]).copied().collect();
+                // max(1): a tensor with no columns has no bytes, and chunks_exact(0) would panic.
+                let cut: Vec<u8> = bytes.chunks_exact(row.max(1)).flat_map(|r| &r[from..to]).copied().collect();
                 self.floats(name, info.dtype, &cut)?
             }
         };
