@@ -106,6 +106,15 @@ def check_invariants(counts: dict[str, int]) -> None:
     assert counts["free_blocks"] + counts["leased_blocks"] + counts["cached_blocks"] == counts["total_blocks"], counts
 
 
+def check_every_rank(coord: stepllm.RuntimeCoordinator) -> None:
+    """A tensor-parallel group: every rank keeps the invariants, and all ranks hold the same counts."""
+    counts = coord.rank_counts()
+    assert len(counts) == coord.world_size()
+    for c in counts:
+        check_invariants(c)
+        assert c == counts[0]
+
+
 def same_except_cache(before: dict[str, int], after: dict[str, int]) -> None:
     """Pool counts as before, cached blocks aside (cached blocks come out of the free ones)."""
     skip = {"free_blocks", "cached_blocks", "pinned_blocks"}

@@ -17,17 +17,11 @@ import pytest
 
 import stepllm
 
-pytestmark = pytest.mark.gpu
-torch = pytest.importorskip("torch")
-if not torch.cuda.is_available():
-    pytest.skip("no CUDA GPU", allow_module_level=True)
-try:
-    stepllm.Config(device="cuda")
-except stepllm.StepllmError as e:
-    pytest.skip(f"stepllm CUDA backend unavailable: {e}", allow_module_level=True)
+from conftest import check_every_rank
+# test_gpu skips itself, and so this module, where torch, a GPU or stepllm's CUDA backend is missing.
+from test_gpu import PROMPT, assert_greedy_agrees, forced_logits, gpu_models, greedy, hf_model, top2, torch
 
-from conftest import check_invariants  # noqa: E402
-from test_gpu import PROMPT, assert_greedy_agrees, forced_logits, gpu_models, greedy, hf_model, top2  # noqa: E402
+pytestmark = pytest.mark.gpu
 
 TWO_GPUS = torch.cuda.device_count() >= 2
 LAYOUTS = [pytest.param([0, 0], id="shared-gpu-host-all-reduce"),
@@ -44,14 +38,6 @@ def coordinator(path: Path, devices: list[int] | None, **kw) -> stepllm.RuntimeC
     parallel = stepllm.ParallelConfig(tensor_parallel_size=len(devices), devices=devices) if devices else None
     cfg = stepllm.Config(model=str(path), device="cuda", max_batch_size=8, kv_cache_tokens=4096, parallel=parallel, **kw)
     return stepllm.RuntimeCoordinator(cfg)
-
-
-def check_every_rank(coord: stepllm.RuntimeCoordinator) -> None:
-    counts = coord.rank_counts()
-    assert len(counts) == coord.world_size()
-    for c in counts:
-        check_invariants(c)
-        assert c == counts[0]
 
 
 def prompts() -> list[list[int]]:

@@ -8,19 +8,11 @@ import time
 import pytest
 
 import stepllm
-from conftest import MODELS, check_invariants, config, expected, greedy, model_dir, row_request
+from conftest import MODELS, check_every_rank, config, expected, greedy, model_dir, row_request
 
 
 def tp_config(name: str, tp: int, **kw):
     return config(name, parallel=stepllm.ParallelConfig(tensor_parallel_size=tp), **kw)
-
-
-def check_every_rank(coord: stepllm.RuntimeCoordinator) -> None:
-    counts = coord.rank_counts()
-    assert len(counts) == coord.world_size()
-    for c in counts:
-        check_invariants(c)
-        assert c == counts[0]
 
 
 def run_stepped(coord: stepllm.RuntimeCoordinator, rows) -> dict[int, list[int]]:

@@ -38,3 +38,11 @@ pub fn protocol<T>(msg: impl Into<String>) -> Result<T> {
 pub fn load_err<T>(msg: impl Into<String>) -> Result<T> {
     Err(Error::Load(msg.into()))
 }
+
+/// A load error with `context` (which file, tensor or rank) put before its message; other errors as they are.
+pub fn with_context(e: Error, context: &str) -> Error {
+    match e {
+        Error::Load(msg) => Error::Load(format!("{context}: {msg}")),
+        other => other,
+    }
+}

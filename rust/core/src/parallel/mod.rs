@@ -40,12 +40,13 @@ pub trait TensorParallelHooks<B: Backend>: Send {
     }
 }
 
-/// In-process collectives for CPU ranks, with a fault switch for tests.
-pub struct CpuRankHooks {
-    rank: usize,
-    collective: Arc<Collective>,
+/// What every rank's hooks share, whatever the backend: its place in the group, the group's in-process collective
+/// (host-side exchanges and failure), and a fault switch for tests.
+pub struct RankLink {
+    pub rank: usize,
+    pub collective: Arc<Collective>,
     /// A [`Fault`] this rank's next collective suffers (then the switch clears): rank-failure tests.
-    fault: Arc<AtomicU8>,
+    pub fault: Arc<AtomicU8>,
 }
 
 /// What an injected fault does to a rank, for tests of rank failure.
@@ -58,46 +59,64 @@ pub enum Fault {
     Panic = 2,
 }
 
-/// Suffer the fault injected into `rank`'s next collective, if any (then the switch clears).
-pub(crate) fn take_injected_fault(fault: &AtomicU8, collective: &Collective, rank: usize) -> Result<()> {
-    match fault.swap(0, Ordering::SeqCst) {
-        0 => Ok(()),
-        f if f == Fault::Panic as u8 => panic!("tensor-parallel rank {rank} panicked (injected fault)"),
-        _ => Err(collective.poison(format!("tensor-parallel rank {rank} failed (injected fault)"))),
-    }
-}
-
-impl CpuRankHooks {
-    fn check_fault(&self) -> Result<()> {
-        take_injected_fault(&self.fault, &self.collective, self.rank)
-    }
-}
-
-impl TensorParallelHooks<CpuBackend> for CpuRankHooks {
-    fn rank(&self) -> usize {
-        self.rank
+impl RankLink {
+    /// Suffer the fault injected into this rank's next collective, if any (then the switch clears).
+    pub fn check_fault(&self) -> Result<()> {
+        let rank = self.rank;
+        match self.fault.swap(0, Ordering::SeqCst) {
+            0 => Ok(()),
+            f if f == Fault::Panic as u8 => panic!("tensor-parallel rank {rank} panicked (injected fault)"),
+            _ => Err(self.collective.poison(format!("tensor-parallel rank {rank} failed (injected fault)"))),
+        }
     }
 
-    fn all_reduce(&self, backend: &CpuBackend, x: &mut CpuTensor) -> Result<()> {
-        self.check_fault()?;
-        let mut host = Vec::new();
-        backend.copy_to_host(x, &mut host)?;
-        self.collective.all_reduce_sum(self.rank, &mut host)?;
-        crate::backend::overwrite_cpu_tensor(x, &host)
+    /// Sum host values over every rank, in place (the caller has checked for a fault).
+    pub fn all_reduce_sum(&self, values: &mut [f32]) -> Result<()> {
+        self.collective.all_reduce_sum(self.rank, values)
     }
 
-    fn all_gather_columns(&self, piece: Vec<f32>, rows: usize) -> Result<Vec<f32>> {
+    pub fn all_gather_columns(&self, piece: Vec<f32>, rows: usize) -> Result<Vec<f32>> {
         self.check_fault()?;
         self.collective.all_gather_columns(self.rank, piece, rows)
     }
 
-    fn broadcast_sampled(&self, sampled: Option<Vec<Sampled>>) -> Result<Vec<Sampled>> {
+    pub fn broadcast_sampled(&self, sampled: Option<Vec<Sampled>>) -> Result<Vec<Sampled>> {
         self.check_fault()?;
         self.collective.broadcast_sampled(self.rank, sampled)
     }
 
-    fn fail(&self, error: Error) -> Error {
+    /// Fail the current command on every rank with `error`.
+    pub fn fail(&self, error: Error) -> Error {
         self.collective.poison(error.to_string())
+    }
+}
+
+/// In-process collectives for CPU ranks.
+pub struct CpuRankHooks(pub RankLink);
+
+impl TensorParallelHooks<CpuBackend> for CpuRankHooks {
+    fn rank(&self) -> usize {
+        self.0.rank
+    }
+
+    fn all_reduce(&self, backend: &CpuBackend, x: &mut CpuTensor) -> Result<()> {
+        self.0.check_fault()?;
+        let mut host = Vec::new();
+        backend.copy_to_host(x, &mut host)?;
+        self.0.all_reduce_sum(&mut host)?;
+        crate::backend::overwrite_cpu_tensor(x, &host)
+    }
+
+    fn all_gather_columns(&self, piece: Vec<f32>, rows: usize) -> Result<Vec<f32>> {
+        self.0.all_gather_columns(piece, rows)
+    }
+
+    fn broadcast_sampled(&self, sampled: Option<Vec<Sampled>>) -> Result<Vec<Sampled>> {
+        self.0.broadcast_sampled(sampled)
+    }
+
+    fn fail(&self, error: Error) -> Error {
+        self.0.fail(error)
     }
 }
 
@@ -152,7 +171,7 @@ fn load_cpu_ranks(
     };
     let mut runners: Vec<Box<dyn ModelRunner>> = Vec::with_capacity(faults.len());
     for (rank, fault) in faults.iter().enumerate() {
-        let hooks = CpuRankHooks { rank, collective: Arc::clone(collective), fault: Arc::clone(fault) };
+        let hooks = CpuRankHooks(RankLink { rank, collective: Arc::clone(collective), fault: Arc::clone(fault) });
         let model = load_rank_model(CpuBackend::new(format), config, weights, rank, faults.len(), Box::new(hooks))?;
         runners.push(Box::new(model));
     }

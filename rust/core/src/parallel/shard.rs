@@ -4,7 +4,7 @@
 //! where there are fewer KV heads than ranks, each KV head is replicated on `n / num_kv_heads` ranks (as
 //! vLLM does).
 
-use crate::error::{load_err, Error, Result};
+use crate::error::{load_err, with_context, Result};
 use crate::model::loader::{HostTensor, TensorPart, WeightSource};
 use crate::model::ModelConfig;
 
@@ -122,10 +122,9 @@ impl WeightSource for ShardedSource<'_> {
     fn tensor(&self, hf_name: &str) -> Result<HostTensor> {
         match self.split(hf_name) {
             Split::Whole => self.inner.tensor(hf_name),
-            Split::Part(part) => self.inner.tensor_part(hf_name, part).map_err(|e| match e {
-                Error::Load(why) => Error::Load(format!("tensor-parallel rank {}: {why}", self.layout.rank)),
-                other => other,
-            }),
+            Split::Part(part) => {
+                self.inner.tensor_part(hf_name, part).map_err(|e| with_context(e, &format!("tensor-parallel rank {}", self.layout.rank)))
+            }
             Split::RankZeroOnly => {
                 let full = self.inner.tensor(hf_name)?;
                 let shape = full.shape.clone();

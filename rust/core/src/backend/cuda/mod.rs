@@ -23,6 +23,7 @@ use crate::model::llama::LlamaModel;
 use crate::model::loader::WeightSource;
 use crate::model::{ModelConfig, ModelRunner};
 use crate::parallel::collective::Collective;
+use crate::parallel::RankLink;
 use parallel::{AllReducePath, CudaRankHooks, CudaRankRunner, NcclComm};
 
 /// Whether the CUDA backend can run here: kernels were built in and a driver sees at least one GPU.
@@ -65,7 +66,8 @@ pub fn load_ranks(
     let mut runners: Vec<Box<dyn ModelRunner>> = Vec::with_capacity(world);
     for (rank, (backend, nccl)) in backends.into_iter().zip(comms.drain(..)).enumerate() {
         backend.gpu().bind()?;
-        let hooks = CudaRankHooks { rank, collective: Arc::clone(collective), fault: Arc::clone(&faults[rank]), nccl };
+        let link = RankLink { rank, collective: Arc::clone(collective), fault: Arc::clone(&faults[rank]) };
+        let hooks = CudaRankHooks { link, nccl };
         let model = crate::parallel::load_rank_model(backend.clone(), config, weights, rank, world, Box::new(hooks))?;
         runners.push(Box::new(CudaRankRunner::new(model, backend, path)));
     }

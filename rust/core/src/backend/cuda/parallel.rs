@@ -9,7 +9,7 @@
 //! [`CudaRankHooks::settle`] polls it and the group's collective, and when another rank has failed it aborts
 //! this rank's communicator, which ends the wait with an error. An aborted group cannot run again.
 
-use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use cudarc::driver::sys as driver;
@@ -20,8 +20,7 @@ use crate::error::{Error, Result};
 use crate::model::llama::LlamaModel;
 use crate::backend::KvCacheDtype;
 use crate::model::{ForwardBatch, ModelConfig, ModelRunner};
-use crate::parallel::collective::Collective;
-use crate::parallel::{take_injected_fault, TensorParallelHooks};
+use crate::parallel::{RankLink, TensorParallelHooks};
 use crate::sampling::{RowContext, Sampled};
 
 /// How the ranks of a CUDA group add up their partial sums.
@@ -148,49 +147,39 @@ impl Drop for NcclComm {
 
 /// One CUDA rank's collectives: device all-reduce through NCCL or host memory; the rest on the host.
 pub struct CudaRankHooks {
-    pub rank: usize,
-    pub collective: Arc<Collective>,
-    pub fault: Arc<AtomicU8>,
+    pub link: RankLink,
     pub nccl: Option<NcclComm>,
-}
-
-impl CudaRankHooks {
-    fn check_fault(&self) -> Result<()> {
-        take_injected_fault(&self.fault, &self.collective, self.rank)
-    }
 }
 
 impl TensorParallelHooks<CudaBackend> for CudaRankHooks {
     fn rank(&self) -> usize {
-        self.rank
+        self.link.rank
     }
 
     fn all_reduce(&self, backend: &CudaBackend, x: &mut CudaTensor) -> Result<()> {
-        self.check_fault()?;
+        self.link.check_fault()?;
         if let Some(comm) = &self.nccl {
             return comm.all_reduce_bf16(x.ptr(), x.rows() * x.cols(), backend.gpu().cu_stream());
         }
         let mut host = Vec::new();
         backend.download_f32(x, &mut host)?;
-        self.collective.all_reduce_sum(self.rank, &mut host)?;
+        self.link.all_reduce_sum(&mut host)?;
         backend.upload_f32(x, &host)
     }
 
     fn all_gather_columns(&self, piece: Vec<f32>, rows: usize) -> Result<Vec<f32>> {
-        self.check_fault()?;
-        self.collective.all_gather_columns(self.rank, piece, rows)
+        self.link.all_gather_columns(piece, rows)
     }
 
     fn broadcast_sampled(&self, sampled: Option<Vec<Sampled>>) -> Result<Vec<Sampled>> {
-        self.check_fault()?;
-        self.collective.broadcast_sampled(self.rank, sampled)
+        self.link.broadcast_sampled(sampled)
     }
 
     fn fail(&self, error: Error) -> Error {
         if let Some(comm) = &self.nccl {
             comm.abort();
         }
-        self.collective.poison(error.to_string())
+        self.link.fail(error)
     }
 
     /// Poll the stream until its work is done, the group has failed, or NCCL reports an error.
@@ -205,14 +194,14 @@ impl TensorParallelHooks<CudaBackend> for CudaRankHooks {
             match unsafe { driver::cuStreamQuery(stream) } {
                 driver::CUresult::CUDA_SUCCESS => return Ok(()),
                 driver::CUresult::CUDA_ERROR_NOT_READY => {}
-                e => return Err(self.fail(Error::Device(format!("tensor-parallel rank {}: the CUDA stream failed: {e:?}", self.rank)))),
+                e => return Err(self.fail(Error::Device(format!("tensor-parallel rank {}: the CUDA stream failed: {e:?}", self.link.rank)))),
             }
-            if let Some(e) = self.collective.failure_now() {
+            if let Some(e) = self.link.collective.failure_now() {
                 comm.abort();
                 return Err(e);
             }
             if let Some(why) = comm.async_error() {
-                return Err(self.fail(Error::Device(format!("tensor-parallel rank {}: {why}", self.rank))));
+                return Err(self.fail(Error::Device(format!("tensor-parallel rank {}: {why}", self.link.rank))));
             }
             // A step takes from tens of microseconds to seconds: spin briefly, then yield, then sleep a little.
             polls = polls.saturating_add(1);

@@ -11,7 +11,7 @@
 use super::gguf_quant::{self, GgmlType};
 use super::{HostTensor, TensorPart, WeightSource};
 use crate::text::tokenizer::{BpeVocab, VocabModel};
-use crate::error::{load_err, Error, Result};
+use crate::error::{load_err, with_context, Error, Result};
 use crate::model::config::{Architecture, ModelConfig};
 use crate::model::rope::{Rope, RopeScaling};
 use memmap2::Mmap;
@@ -527,13 +527,11 @@ impl WeightSource for GgufModel {
         // Rows per rotary head: llama.cpp permutes rows within each head, so a part of whole heads un-permutes alone.
         let head_rows = rotary.map_or(1, |heads| shape[0] / heads.max(1));
         let cols: usize = shape[1..].iter().product();
-        let row_bytes = info.ggml_type.bytes_for(cols as u64).map(|b| b as usize);
-        let (TensorPart::Rows { start, len }, Some(row_bytes)) = (part, row_bytes) else {
-            return self.tensor(hf_name)?.into_part(hf_name, part);
+        let whole_heads = |start: usize, len: usize| head_rows > 0 && start.is_multiple_of(head_rows) && len.is_multiple_of(head_rows);
+        let (start, len, row_bytes) = match (part, info.ggml_type.bytes_for(cols as u64)) {
+            (TensorPart::Rows { start, len }, Some(row_bytes)) if whole_heads(start, len) => (start, len, row_bytes as usize),
+            _ => return self.tensor(hf_name)?.into_part(hf_name, part),
         };
-        if head_rows == 0 || !start.is_multiple_of(head_rows) || !len.is_multiple_of(head_rows) {
-            return self.tensor(hf_name)?.into_part(hf_name, part);
-        }
         let bytes = &self.tensor_data(&gguf_name)?[start * row_bytes..(start + len) * row_bytes];
         let (data, blocks) = gguf_quant::decode(info.ggml_type, bytes, len * cols, false)
             .map_err(|e| with_context(e, &format!("tensor {gguf_name:?} in {}", self.source)))?;
@@ -605,13 +603,6 @@ pub fn unpermute_rotary_rows(tensor: HostTensor, n_heads: usize) -> Result<HostT
         }
     }
     Ok(tensor.with_rows(&order))
-}
-
-fn with_context(e: Error, context: &str) -> Error {
-    match e {
-        Error::Load(msg) => Error::Load(format!("{context}: {msg}")),
-        other => other,
-    }
 }
 
 // ---------------------------------------------------------------------------------------------------
