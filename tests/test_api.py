@@ -268,6 +268,39 @@ def test_stepped_group_prefill_gives_what_each_request_gets_alone() -> None:
         assert outputs[i + 1] == row["greedy_ids"], i
 
 
+def test_stepped_mixed_step_decodes_the_running_while_the_group_joins() -> None:
+    """Beyond the seed: the founder decodes in the same forward that prefills the seated group, and every
+    request still gets the transformers reference's greedy ids."""
+    rows = expected("qwen2")["rows"]
+    coord = coordinator("qwen2")
+    stepped = coord.begin_stepped(row_request(rows[0]), request_id=1, original_index=0)
+    founder = stepped.founder()
+    stepped.prefill(stepllm.ImmutablePrefillBatch(target=founder))
+    refs = [stepped.admit_into_group(row_request(row), original_index=i, request_id=i + 1).ref
+            for i, row in enumerate(rows[1:], start=1)]
+    before = stepped.counts()
+    with pytest.raises(stepllm.ProtocolError, match="exactly the seated group"):
+        stepped.mixed(stepllm.ImmutableMixedBatch(residents=[founder], targets=refs[::-1]))
+    with pytest.raises(stepllm.ProtocolError, match="empty"):
+        stepped.mixed(stepllm.ImmutableMixedBatch(residents=[], targets=refs))
+    assert stepped.counts() == before  # refused operations change nothing
+    batch = stepllm.ImmutableMixedBatch(residents=[founder], targets=refs)
+    assert batch == stepllm.ImmutableMixedBatch([founder], list(refs)) and hash(batch) == hash(stepllm.ImmutableMixedBatch([founder], refs))
+    assert batch.residents == [founder] and batch.targets == refs
+    assert "ImmutableMixedBatch(residents=[ResidentRef(" in repr(batch)
+    step = stepped.mixed(batch)
+    assert step.ok and step.work == stepllm.SequenceWork.MIXED and step.execution.rows == 1 + len(refs)
+    works = [(p.identity.resident, p.work) for p in step.participants]
+    assert works == [(founder, stepllm.SequenceWork.DECODE)] + [(r, stepllm.SequenceWork.CONTEXT) for r in refs]
+    outputs = {}
+    while stepped.residents():
+        for ref, result in stepped.decode(stepllm.ImmutableDecodeBatch(residents=stepped.residents())).finished:
+            outputs[result.identity.request_id] = result.output_ids
+    assert stepped.finish().output_ids == rows[0]["greedy_ids"]
+    for i, row in enumerate(rows[1:], start=1):
+        assert outputs[i + 1] == row["greedy_ids"], i
+
+
 def test_stepped_session_usable_from_threads_and_releases_the_gil() -> None:
     coord = coordinator()
     with coord.begin_stepped(stepllm.GenerationRequest("Hello", greedy(40))) as stepped:

@@ -337,6 +337,32 @@ def test_stepped_admission_mid_stream_on_gpu(models_dir: Path) -> None:
     assert_released(coord)
 
 
+def test_mixed_step_on_gpu(models_dir: Path) -> None:
+    """A decodes in the eager forward that prefills the group of B and C (a mixed step): each gives what it gives
+    alone, and the decode steps after it replay graphs."""
+    path = gpu_models.make("smollm2", models_dir)
+    a = stepllm.GenerationRequest(PROMPT, greedy(16))
+    joining = [stepllm.GenerationRequest(PROMPT[:23], greedy(10)), stepllm.GenerationRequest(PROMPT[5:], greedy(12))]
+    alone = [run_alone(coordinator(path, "cuda", graphs=True), r).output_ids for r in [a, *joining]]
+    coord = coordinator(path, "cuda", graphs=True)
+    stepped = coord.begin_stepped(a)
+    founder = stepped.founder()
+    stepped.prefill(stepllm.ImmutablePrefillBatch(target=founder))
+    for _ in range(4):
+        stepped.decode(stepllm.ImmutableDecodeBatch(residents=[founder]))
+    targets = [stepped.admit_into_group(r, original_index=i, request_id=i + 1).ref for i, r in enumerate(joining, start=1)]
+    step = stepped.mixed(stepllm.ImmutableMixedBatch(residents=[founder], targets=targets))
+    assert step.ok and step.work == stepllm.SequenceWork.MIXED and not step.execution.cuda_graph, step
+    done: dict[int, list[int]] = {}
+    while stepped.residents():
+        step = stepped.decode(stepllm.ImmutableDecodeBatch(residents=stepped.residents()))
+        assert step.execution.cuda_graph, step.execution
+        for _, result in step.finished:
+            done[result.identity.original_index] = result.output_ids
+    assert [stepped.finish().output_ids, done[1], done[2]] == alone
+    assert_released(coord)
+
+
 def test_graph_decode_of_long_contexts_equals_eager(models_dir: Path) -> None:
     """Two rows past 1024 tokens of context (block tables of 69 and 81 entries at the first step) decoded from a
     graph: every step replays one, and gives the tokens of the same steps run eagerly."""

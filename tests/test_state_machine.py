@@ -175,6 +175,23 @@ class SteppedMachine(RuleBasedStateMachine):
         event(f"prefill group of {min(len(group), 3)}{'+' if len(group) > 3 else ''}")
         self.absorb(step)
 
+    @precondition(lambda self: bool(self.group))
+    @rule(data=st.data())
+    def mixed(self, data: st.DataObject) -> None:
+        """Beyond the seed: running residents decode in the forward that prefills the seated group."""
+        running = [r for r in self.stepped.residents() if r not in self.group]
+        if not running:
+            return
+        chosen = data.draw(st.lists(st.sampled_from(running), min_size=1, unique=True))
+        group, self.group = self.group, []
+        step = self.stepped.mixed(stepllm.ImmutableMixedBatch(residents=chosen, targets=group))
+        assert step.work == stepllm.SequenceWork.MIXED
+        works = {p.identity.resident: p.work for p in step.participants}
+        assert all(works[r] == stepllm.SequenceWork.CONTEXT for r in group)
+        assert {r for r, w in works.items() if w == stepllm.SequenceWork.DECODE} <= set(chosen)
+        event(f"mixed step: {min(len(chosen), 3)} decoding, {min(len(group), 3)} joining")
+        self.absorb(step)
+
     @precondition(lambda self: self.founder_reported and self.seated is None and not self.group)
     @rule(data=st.data())
     def decode(self, data: st.DataObject) -> None:

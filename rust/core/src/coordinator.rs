@@ -12,8 +12,8 @@ use crate::model::{Checkpoint, Device, LoadProgress, LoadedModel, WeightDtype};
 use crate::request::{FinishReason, GenerationRequest, GenerationResponse, Prompt};
 use crate::state::context_cache::ContextCacheConfig;
 use crate::state::PoolCounts;
-use crate::prefill_group::{seat_prefill_group, DEFAULT_MAX_PREFILL_TOKENS};
-use crate::step::{AdmissionIntent, ImmutableDecodeBatch, ImmutablePrefillGroup, StepResult};
+use crate::prefill_group::{seat_prefill_group, step_seated_group, DEFAULT_MAX_PREFILL_TOKENS};
+use crate::step::{AdmissionIntent, ImmutableDecodeBatch, StepResult};
 use crate::parallel::rank::{RankCommand, RankGroup, RankReply};
 use crate::stepped::{materialize, SteppedRequest};
 use crate::stepper::{RuntimeStepper, StepperConfig};
@@ -428,7 +428,8 @@ impl RuntimeCoordinator {
 }
 
 /// FCFS: seat the queue's heads as one prefill group while capacity and the token budget allow, and prefill
-/// them (prefill first); otherwise decode every resident.
+/// them (with a decode step of the running residents, when any run: `step_seated_group`); otherwise decode every
+/// resident.
 fn run_batch(stepper: &StepperHandle, intents: Vec<AdmissionIntent>, max_prefill_tokens: usize) -> Result<Vec<GenerationResponse>> {
     let n = intents.len();
     let mut waiting: VecDeque<AdmissionIntent> = intents.into();
@@ -446,7 +447,7 @@ fn run_batch(stepper: &StepperHandle, intents: Vec<AdmissionIntent>, max_prefill
                 responses[intent.original_index as usize] = Some(intent.unstarted_response(FinishReason::Error, why));
             }
             if !group.targets.is_empty() {
-                let step = stepper.prefill_group(&ImmutablePrefillGroup { targets: group.targets })?;
+                let step = step_seated_group(stepper, group.targets)?;
                 collect(&step, &mut responses);
                 continue;
             }

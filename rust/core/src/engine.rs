@@ -13,8 +13,8 @@ use crate::ids::{RequestId, ResidentRef};
 use crate::intent::IntentBuilder;
 use crate::request::{FinishReason, GenerationRequest, GenerationResponse};
 use crate::state::PoolCounts;
-use crate::prefill_group::seat_prefill_group;
-use crate::step::{AdmissionIntent, ImmutableDecodeBatch, ImmutablePrefillGroup, StepResult, TokenDelta};
+use crate::prefill_group::{seat_prefill_group, step_seated_group};
+use crate::step::{AdmissionIntent, ImmutableDecodeBatch, StepResult, TokenDelta};
 use crate::stepped::materialize;
 use crate::stepper_handle::StepperHandle;
 
@@ -203,8 +203,9 @@ impl Actor {
         }
     }
 
-    /// One operation: seat the queue's heads as one prefill group and prefill them when any fits (prefill
-    /// first), else decode every resident.
+    /// One operation: seat the queue's heads as one prefill group when any fits, and prefill it in the same
+    /// forward as a decode step of every running resident (a mixed step; a plain group prefill when none is
+    /// running), so running requests keep generating while new ones join; else decode every resident.
     fn tick(&mut self) -> Result<()> {
         if !self.waiting.is_empty() {
             let (running, by_resident, stats) = (&mut self.running, &mut self.by_resident, &self.stats);
@@ -227,7 +228,7 @@ impl Actor {
             }
             let targets = group?.targets;
             if !targets.is_empty() {
-                let step = self.stepper.prefill_group(&ImmutablePrefillGroup { targets })?;
+                let step = step_seated_group(&self.stepper, targets)?;
                 self.deliver(step);
                 return Ok(());
             }

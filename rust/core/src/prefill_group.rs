@@ -1,13 +1,14 @@
 //! Batched prefill for the schedulers (the engine and whole-batch dispatch): the heads of the queue are seated
 //! as one group and prefilled in one tick, so a burst of requests costs a few large forwards instead of one
 //! small forward each (vLLM's `max_num_batched_tokens` plays the same part). Order stays first come, first
-//! served: the group stops at the first head that does not fit now.
+//! served: the group stops at the first head that does not fit now. While other requests run, the group is
+//! prefilled in the forward of their next decode step (a mixed step).
 
-use std::collections::VecDeque;
+use std::collections::{HashSet, VecDeque};
 
 use crate::error::Result;
 use crate::ids::ResidentRef;
-use crate::step::{AdmissionIntent, AdmissionStatus};
+use crate::step::{AdmissionIntent, AdmissionStatus, ImmutableMixedBatch, ImmutablePrefillGroup, StepResult};
 use crate::stepper_handle::StepperHandle;
 
 /// Default of `Config::max_prefill_tokens`: vLLM's default step budget for chunked prefill.
@@ -60,4 +61,17 @@ pub fn seat_prefill_group<T>(
         }
     }
     Ok(group)
+}
+
+/// Compute a seated group (`targets`, in admission order): in the same forward as one decode step of every
+/// running resident when any is running (a mixed step), so running requests keep generating while the group
+/// joins; alone otherwise.
+pub fn step_seated_group(stepper: &StepperHandle, targets: Vec<ResidentRef>) -> Result<StepResult> {
+    let seated: HashSet<ResidentRef> = targets.iter().copied().collect();
+    let running: Vec<ResidentRef> = stepper.residents()?.into_iter().filter(|r| !seated.contains(r)).collect();
+    if running.is_empty() {
+        stepper.prefill_group(&ImmutablePrefillGroup { targets })
+    } else {
+        stepper.mixed(&ImmutableMixedBatch { residents: running, targets })
+    }
 }

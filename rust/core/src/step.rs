@@ -12,6 +12,9 @@ pub enum SequenceWork {
     Context,
     /// One generated token per sequence.
     Decode,
+    /// A step's work only (never a sequence's): some sequences decoded and a seated group prefilled in the same
+    /// forward; each participant's descriptor says which it did.
+    Mixed,
 }
 
 /// One participant of a step as it was scheduled.
@@ -150,4 +153,13 @@ pub struct ImmutablePrefillGroup {
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct ImmutableDecodeBatch {
     pub residents: Vec<ResidentRef>,
+}
+
+/// A decode step and the seated group's prefill in one forward (beyond the seed, whose ticks do one or the
+/// other): each listed resident gets one generated token while the group's prompts are computed, so running
+/// sequences keep generating while new ones join (vLLM's mixed batches).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct ImmutableMixedBatch {
+    pub residents: Vec<ResidentRef>,
+    pub targets: Vec<ResidentRef>,
 }

@@ -11,8 +11,8 @@ use crate::ids::{RequestId, ResidentRef};
 use crate::intent::IntentBuilder;
 use crate::request::{GenerationRequest, GenerationResponse};
 use crate::step::{
-    AdmissionIntent, AdmissionResult, AdmissionStatus, BatchResult, ImmutableDecodeBatch, ImmutablePrefillBatch, ImmutablePrefillGroup,
-    StepResult,
+    AdmissionIntent, AdmissionResult, AdmissionStatus, BatchResult, ImmutableDecodeBatch, ImmutableMixedBatch,
+    ImmutablePrefillBatch, ImmutablePrefillGroup, StepResult,
 };
 use crate::stepper::RuntimeStepper;
 use crate::text::stop::truncate_at_stop;
@@ -44,6 +44,8 @@ pub trait SteppedExecution {
     }
     fn prefill_group(&mut self, group: &ImmutablePrefillGroup) -> Result<StepResult>;
     fn decode(&mut self, batch: &ImmutableDecodeBatch) -> Result<StepResult>;
+    /// Beyond the seed: decode the listed residents and prefill the seated group in one forward.
+    fn mixed(&mut self, batch: &ImmutableMixedBatch) -> Result<StepResult>;
     fn residents(&self) -> Result<Vec<ResidentRef>>;
     fn materialize(&self, result: &BatchResult, stop_strings: &[String]) -> GenerationResponse;
     /// Once, when nothing is resident: the founder's response.
@@ -177,6 +179,15 @@ impl SteppedRequest {
         }
     }
 
+    /// A step that needs the founder's first token reported (every step but the founder's prefill).
+    fn step_after_founder(&mut self, step: impl FnOnce(&StepperHandle) -> Result<StepResult>) -> Result<StepResult> {
+        self.ensure_open()?;
+        self.ensure_founder_reported()?;
+        let result = step(&self.stepper)?;
+        self.observe(&result);
+        Ok(result)
+    }
+
     fn close(&mut self) {
         self.closed = true;
         self.active.store(false, Ordering::SeqCst);
@@ -222,19 +233,15 @@ impl SteppedExecution for SteppedRequest {
     }
 
     fn prefill_group(&mut self, group: &ImmutablePrefillGroup) -> Result<StepResult> {
-        self.ensure_open()?;
-        self.ensure_founder_reported()?;
-        let result = self.stepper.prefill_group(group)?;
-        self.observe(&result);
-        Ok(result)
+        self.step_after_founder(|s| s.prefill_group(group))
     }
 
     fn decode(&mut self, batch: &ImmutableDecodeBatch) -> Result<StepResult> {
-        self.ensure_open()?;
-        self.ensure_founder_reported()?;
-        let result = self.stepper.decode(batch)?;
-        self.observe(&result);
-        Ok(result)
+        self.step_after_founder(|s| s.decode(batch))
+    }
+
+    fn mixed(&mut self, batch: &ImmutableMixedBatch) -> Result<StepResult> {
+        self.step_after_founder(|s| s.mixed(batch))
     }
 
     /// Live refs; an unreported founder counts as resident even when its founding prefill already ended it,

@@ -8,18 +8,21 @@ use crate::error::{protocol, Error, Result};
 use crate::ids::{ResidentRef, SequenceIdentity, StepId};
 use crate::model::{ForwardBatch, ModelRunner, SeqSlice, StepTiming};
 use crate::request::FinishReason;
-use crate::sampling::{resolve_seed, RowContext, Sampled};
+use crate::sampling::{resolve_seed, Sampled};
 use crate::session::{Ending, GenerationSession, Phase, SequenceRow};
 use crate::state::budget::{BlockBudget, Reservation};
 use crate::state::context_cache::{extra_key, CommitPolicy, ContextCacheConfig};
 use crate::state::slot_pool::SlotPool;
 use crate::state::PoolCounts;
 use crate::step::{
-    AdmissionIntent, AdmissionResult, BatchResult, ImmutableDecodeBatch, ImmutablePrefillBatch, ImmutablePrefillGroup,
+    AdmissionIntent, AdmissionResult, BatchResult, ImmutableDecodeBatch, ImmutableMixedBatch, ImmutablePrefillBatch,
+    ImmutablePrefillGroup,
     ScheduledSequenceDescriptor, SequenceWork, StepExecution, StepResult,
 };
 use crate::text::stop::TextStream;
 use crate::text::tokenizer::Tokenizer;
+
+mod forward;
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct StepperConfig {
@@ -186,36 +189,60 @@ impl RuntimeStepper {
 
     /// Compute the prompts of the whole seated group in one forward and sample each one's first token.
     pub fn prefill_group(&mut self, group: &ImmutablePrefillGroup) -> Result<StepResult> {
-        for &r in &group.targets {
+        self.validate_group_targets("prefill_group", &group.targets)?;
+        self.prefill_seated()
+    }
+
+    /// One generated token for each listed resident and the seated group's prompts, in one forward: the
+    /// residents keep generating while the group joins. Both lists must be non-empty (a step with only one
+    /// kind of work is `decode` or `prefill_group`).
+    pub fn mixed(&mut self, batch: &ImmutableMixedBatch) -> Result<StepResult> {
+        let started = Instant::now();
+        self.validate_group_targets("a mixed step", &batch.targets)?;
+        self.validate_decode_batch(&batch.residents)?;
+        let targets = std::mem::take(&mut self.seated);
+        let mut computing = self.end_latched(&batch.residents)?;
+        let mut descriptors = self.decode_descriptors(&computing);
+        descriptors.extend(self.prefill_descriptors(&targets)?);
+        computing.extend(self.end_latched(&targets)?);
+        let (ok, timing) = self.compute(&computing, SequenceWork::Mixed)?;
+        let mut published = false;
+        for &r in &targets {
+            self.row_mut(r)?.phase = Phase::Running;
+            published |= self.publish_prefix(r, CommitPolicy::PrefillOnly)?;
+        }
+        if self.budget.cache.config().commit == CommitPolicy::IncludingGenerated {
+            for r in batch.residents.iter().filter(|r| computing.contains(r)) {
+                published |= self.publish_prefix(*r, CommitPolicy::IncludingGenerated)?;
+            }
+        }
+        let tokens = descriptors.iter().map(|d| d.query_length).sum();
+        let clock = StepClock { rows: computing.len(), tokens, started, timing };
+        self.commit(ok, SequenceWork::Mixed, descriptors, clock, published)
+    }
+
+    /// `targets` must be exactly the seated group, in admission order.
+    fn validate_group_targets(&self, op: &str, targets: &[ResidentRef]) -> Result<()> {
+        for &r in targets {
             self.slots.validate(r)?;
         }
         if self.seated.is_empty() {
-            return protocol("nothing is seated: admit requests before prefilling them");
+            return protocol(format!("nothing is seated: admit requests before {op}"));
         }
-        if group.targets != self.seated {
+        if targets != self.seated {
             return protocol(format!(
-                "prefill_group must name exactly the seated group, in admission order ({} seated, {} named)",
+                "{op} must name exactly the seated group, in admission order ({} seated, {} named)",
                 self.seated.len(),
-                group.targets.len()
+                targets.len()
             ));
         }
-        self.prefill_seated()
+        Ok(())
     }
 
     fn prefill_seated(&mut self) -> Result<StepResult> {
         let targets = std::mem::take(&mut self.seated);
         let started = Instant::now();
-        let mut descriptors = Vec::with_capacity(targets.len());
-        for &r in &targets {
-            let row = self.row(r)?;
-            descriptors.push(ScheduledSequenceDescriptor {
-                identity: row.identity,
-                work: SequenceWork::Context,
-                query_length: row.prompt_ids.len() - row.computed,
-                past_length: row.computed,
-                select_last_token_logits: true,
-            });
-        }
+        let descriptors = self.prefill_descriptors(&targets)?;
         // A step in which no sequence runs (all were cancelled) is not ok.
         let computing = self.end_latched(&targets)?;
         let (computed, timing) = self.compute(&computing, SequenceWork::Context)?;
@@ -236,7 +263,38 @@ impl RuntimeStepper {
         self.refuse_if_seated("decode")?;
         self.validate_decode_batch(&batch.residents)?;
         let computing = self.end_latched(&batch.residents)?;
-        let descriptors: Vec<ScheduledSequenceDescriptor> = computing
+        let descriptors = self.decode_descriptors(&computing);
+        let (ok, timing) = self.compute(&computing, SequenceWork::Decode)?;
+        let mut published = false;
+        if self.budget.cache.config().commit == CommitPolicy::IncludingGenerated {
+            for r in &computing {
+                published |= self.publish_prefix(*r, CommitPolicy::IncludingGenerated)?;
+            }
+        }
+        let clock = StepClock { rows: computing.len(), tokens: computing.len(), started, timing };
+        self.commit(ok, SequenceWork::Decode, descriptors, clock, published)
+    }
+
+    /// Each seated target's prompt work: its uncomputed prompt after what the cache held.
+    fn prefill_descriptors(&self, targets: &[ResidentRef]) -> Result<Vec<ScheduledSequenceDescriptor>> {
+        targets
+            .iter()
+            .map(|&r| {
+                let row = self.row(r)?;
+                Ok(ScheduledSequenceDescriptor {
+                    identity: row.identity,
+                    work: SequenceWork::Context,
+                    query_length: row.prompt_ids.len() - row.computed,
+                    past_length: row.computed,
+                    select_last_token_logits: true,
+                })
+            })
+            .collect()
+    }
+
+    /// Each validated resident's decode work: one token after what it has computed.
+    fn decode_descriptors(&self, residents: &[ResidentRef]) -> Vec<ScheduledSequenceDescriptor> {
+        residents
             .iter()
             .map(|r| {
                 let row = self.session.get(*r).expect("validated");
@@ -248,16 +306,7 @@ impl RuntimeStepper {
                     select_last_token_logits: true,
                 }
             })
-            .collect();
-        let (ok, timing) = self.compute(&computing, SequenceWork::Decode)?;
-        let mut published = false;
-        if self.budget.cache.config().commit == CommitPolicy::IncludingGenerated {
-            for r in &computing {
-                published |= self.publish_prefix(*r, CommitPolicy::IncludingGenerated)?;
-            }
-        }
-        let clock = StepClock { rows: computing.len(), tokens: computing.len(), started, timing };
-        self.commit(ok, SequenceWork::Decode, descriptors, clock, published)
+            .collect()
     }
 
     /// Compute a prompt's full blocks and pin them in the context cache (system prompts). No slot is used;
@@ -357,38 +406,6 @@ impl RuntimeStepper {
         self.session.get_mut(r).ok_or_else(|| missing_row(r))
     }
 
-    /// The ragged batch: each sequence's uncomputed tokens, their positions and its block table. It is built in
-    /// the previous step's batch (`batch_scratch`, handed back after the forward) to reuse its allocations.
-    fn plan_forward(&mut self, refs: &[ResidentRef], work: SequenceWork) -> ForwardBatch {
-        let mut fb = std::mem::take(&mut self.batch_scratch);
-        fb.tokens.clear();
-        fb.positions.clear();
-        fb.logits_for.clear();
-        fb.seqs.truncate(refs.len());
-        for (i, r) in refs.iter().enumerate() {
-            let row = self.session.get(*r).expect("validated");
-            let query: &[u32] = match work {
-                SequenceWork::Context => &row.prompt_ids[row.computed..],
-                SequenceWork::Decode => std::slice::from_ref(row.output_ids.last().expect("running rows have a token")),
-            };
-            let start = fb.tokens.len();
-            fb.tokens.extend_from_slice(query);
-            fb.positions.extend((row.computed..row.computed + query.len()).map(|p| p as u32));
-            let needed_blocks = (row.computed + query.len()).div_ceil(self.config.block_size);
-            if i == fb.seqs.len() {
-                fb.seqs.push(SeqSlice { start: 0, len: 0, past_len: 0, block_table: Vec::new() });
-            }
-            let seq = &mut fb.seqs[i];
-            seq.start = start;
-            seq.len = query.len();
-            seq.past_len = row.computed;
-            seq.block_table.clear();
-            seq.block_table.extend_from_slice(&row.lease.blocks[..needed_blocks]);
-            fb.logits_for.push(start + query.len() - 1);
-        }
-        fb
-    }
-
     /// End every latched (cancelled) sequence of `refs` without computing it; returns the others.
     fn end_latched(&mut self, refs: &[ResidentRef]) -> Result<Vec<ResidentRef>> {
         let mut computing = Vec::with_capacity(refs.len());
@@ -402,7 +419,7 @@ impl RuntimeStepper {
         Ok(computing)
     }
 
-    /// One forward over `refs` (their uncomputed prompt for Context, their last token for Decode), then a
+    /// One forward over `refs` (a seated sequence's uncomputed prompt, a running one's last token), then a
     /// sampled token accepted for each. A failed forward ends every one of them with the error; the bool says
     /// whether the forward succeeded (true when there was nothing to compute).
     fn compute(&mut self, refs: &[ResidentRef], work: SequenceWork) -> Result<(bool, StepTiming)> {
@@ -410,7 +427,7 @@ impl RuntimeStepper {
             return Ok((true, StepTiming::default()));
         }
         let order = self.forward_order(refs, work);
-        let batch = self.plan_forward(&order, work);
+        let batch = self.plan_forward(&order);
         let outcome = self.run_and_sample(&batch, &order);
         self.batch_scratch = batch;
         let timing = self.runner.last_step_timing();
@@ -420,9 +437,9 @@ impl RuntimeStepper {
                 .zip(sampled)
                 .try_for_each(|(r, s)| {
                     let row = self.row_mut(*r)?;
-                    row.computed = match work {
-                        SequenceWork::Context => row.prompt_ids.len(),
-                        SequenceWork::Decode => row.computed + 1,
+                    row.computed = match row.phase {
+                        Phase::Seated => row.prompt_ids.len(),
+                        _ => row.computed + 1,
                     };
                     self.accept_token(*r, s)
                 })
@@ -431,52 +448,6 @@ impl RuntimeStepper {
         };
         self.order_scratch = order;
         result.map(|ok| (ok, timing))
-    }
-
-    /// The order the forward takes `refs` in: for decode, the longest context first (ties by slot). A row's
-    /// attention costs in proportion to its context, and a GPU starts a launch's blocks in row order, so a long
-    /// row placed last would run on alone after the others are done; longest-first keeps the tail short (the
-    /// mixed workload of benchmarks/gpu_decode.py, benchmarks/RESULTS.md). Rows are independent in the forward,
-    /// so the order changes no result. Prefill keeps the admission order.
-    fn forward_order(&mut self, refs: &[ResidentRef], work: SequenceWork) -> Vec<ResidentRef> {
-        let mut order = std::mem::take(&mut self.order_scratch);
-        order.clear();
-        if work != SequenceWork::Decode {
-            order.extend_from_slice(refs);
-            return order;
-        }
-        // Each row's key is looked up once: (longest first, then slot), packed so the sort compares integers.
-        let keys = &mut self.order_keys;
-        keys.clear();
-        keys.extend(refs.iter().map(|r| {
-            let context = self.session.get(*r).map_or(0, |row| row.computed).min(u32::MAX as usize) as u64;
-            (((u32::MAX as u64 - context) << 32) | r.slot as u64, *r)
-        }));
-        keys.sort_unstable_by_key(|&(key, _)| key);
-        order.extend(keys.iter().map(|&(_, r)| r));
-        order
-    }
-
-    /// Forward then sample every row; an Err carries the ending that every participant latches.
-    fn run_and_sample(&mut self, fb: &ForwardBatch, refs: &[ResidentRef]) -> std::result::Result<Vec<Sampled>, Ending> {
-        let ctxs: Vec<RowContext> = refs
-            .iter()
-            .map(|r| {
-                let row = self.session.get(*r).expect("validated");
-                RowContext {
-                    params: &row.sampling,
-                    prompt_ids: &row.prompt_ids,
-                    output_ids: &row.output_ids,
-                    position: row.total_len() as u64,
-                    seed: row.seed,
-                }
-            })
-            .collect();
-        self.runner.forward_and_sample(fb, &ctxs).map_err(|e| Ending {
-            reason: FinishReason::Error,
-            stop_reason: None,
-            error: Some(e.to_string()),
-        })
     }
 
     /// Capture decode CUDA graphs (GPU backends); false on the CPU.

@@ -8,7 +8,10 @@ use crate::error::{Error, Result};
 use crate::ids::ResidentRef;
 use crate::parallel::rank::{RankCommand, RankGroup, RankReply};
 use crate::state::PoolCounts;
-use crate::step::{AdmissionIntent, AdmissionResult, BatchResult, ImmutableDecodeBatch, ImmutablePrefillBatch, ImmutablePrefillGroup, StepResult};
+use crate::step::{
+    AdmissionIntent, AdmissionResult, BatchResult, ImmutableDecodeBatch, ImmutableMixedBatch, ImmutablePrefillBatch, ImmutablePrefillGroup,
+    StepResult,
+};
 use crate::stepped::lock;
 use crate::stepper::RuntimeStepper;
 
@@ -61,6 +64,13 @@ impl StepperHandle {
         match self {
             Self::Local(s) => lock(s).decode(batch),
             Self::Ranks(g) => step(g.execute(RankCommand::Decode(batch.clone()))?),
+        }
+    }
+
+    pub fn mixed(&self, batch: &ImmutableMixedBatch) -> Result<StepResult> {
+        match self {
+            Self::Local(s) => lock(s).mixed(batch),
+            Self::Ranks(g) => step(g.execute(RankCommand::Mixed(batch.clone()))?),
         }
     }
 

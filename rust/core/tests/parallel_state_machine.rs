@@ -11,7 +11,7 @@ use proptest::prelude::*;
 use stepllm_core::coordinator::RuntimeCoordinator;
 use stepllm_core::ids::ResidentRef;
 use stepllm_core::request::{GenerationRequest, Prompt, SamplingParams};
-use stepllm_core::step::{ImmutableDecodeBatch, ImmutablePrefillBatch, StepResult};
+use stepllm_core::step::{ImmutableDecodeBatch, ImmutableMixedBatch, ImmutablePrefillBatch, StepResult};
 use stepllm_core::stepped::{SteppedExecution, SteppedRequest};
 
 #[derive(Debug, Clone)]
@@ -21,6 +21,7 @@ enum Op {
     AdmitOutOfVocab,
     Prefill(usize),
     Decode { mask: u8 },
+    Mixed { mask: u8, target: usize },
     Cancel(usize),
     Abort,
     Finish,
@@ -38,6 +39,7 @@ fn op() -> impl Strategy<Value = Op> {
         1 => Just(Op::AdmitOutOfVocab),
         4 => (0usize..8).prop_map(Op::Prefill),
         6 => any::<u8>().prop_map(|mask| Op::Decode { mask }),
+        2 => (any::<u8>(), 0usize..8).prop_map(|(mask, target)| Op::Mixed { mask, target }),
         1 => (0usize..8).prop_map(Op::Cancel),
         1 => Just(Op::Abort),
         1 => Just(Op::Finish),
@@ -109,6 +111,13 @@ impl Side {
                 let Some(s) = self.stepped.as_mut() else { return "idle".into() };
                 let chosen: Vec<_> = live.iter().enumerate().filter(|(i, _)| mask & (1 << (i % 8)) != 0).map(|(_, r)| *r).collect();
                 shape(&s.decode(&ImmutableDecodeBatch { residents: chosen }), shape_of_step)
+            }
+            Op::Mixed { mask, target } => {
+                let Some(target) = pick(*target) else { return "none".into() };
+                let s = self.stepped.as_mut().unwrap();
+                let others = live.iter().filter(|r| **r != target);
+                let chosen: Vec<_> = others.enumerate().filter(|(i, _)| mask & (1 << (i % 8)) != 0).map(|(_, r)| *r).collect();
+                shape(&s.mixed(&ImmutableMixedBatch { residents: chosen, targets: vec![target] }), shape_of_step)
             }
             Op::Cancel(i) => {
                 let Some(r) = pick(*i) else { return "none".into() };

@@ -15,26 +15,6 @@ use stepllm_core::step::{
 };
 use stepllm_core::stepper_handle::StepperHandle;
 
-fn intent(coord: &RuntimeCoordinator, prompt: &[u32], max_tokens: usize, id: u64) -> AdmissionIntent {
-    coord.intents().build(greedy_ids(prompt, max_tokens), id, id as u32 - 1).unwrap()
-}
-
-fn prompts() -> Vec<Vec<u32>> {
-    vec![
-        (0..13).map(|i| (i * 7 + 3) % 400).collect(),
-        (0..5).map(|i| (i * 11 + 1) % 400).collect(),
-        (0..21).map(|i| (i * 3 + 17) % 400).collect(),
-    ]
-}
-
-fn assert_idle(coord: &RuntimeCoordinator) {
-    let c = coord.counts();
-    assert_eq!(c.live_slots, 0);
-    assert_eq!(c.free_slots, c.slot_capacity);
-    assert_eq!(c.leased_blocks, 0);
-    assert_eq!(c.free_blocks + c.leased_blocks + c.cached_blocks, c.total_blocks);
-}
-
 fn is_protocol(e: Error) -> bool {
     matches!(e, Error::Protocol(_))
 }
@@ -44,17 +24,17 @@ fn a_group_prefill_gives_each_request_what_it_gets_alone() {
     for name in ["llama", "qwen3"] {
         let coord = coordinator(name);
         let mut alone = Vec::new();
-        for (i, p) in prompts().iter().enumerate() {
+        for (i, p) in group_prompts().iter().enumerate() {
             alone.push(coord.dispatch_request(vec![greedy_ids(p, 6)]).unwrap().remove(0).output_ids);
             assert_eq!(alone[i].len(), 6);
         }
         // A different coordinator so no prefix is cached: the group computes every prompt in full.
         let coord = coordinator(name);
         let stepper2 = coord.stepper();
-        let targets: Vec<_> = prompts()
+        let targets: Vec<_> = group_prompts()
             .iter()
             .enumerate()
-            .map(|(i, p)| stepper2.admit_into_group(intent(&coord, p, 6, i as u64 + 1)).unwrap().resident.unwrap())
+            .map(|(i, p)| stepper2.admit_into_group(greedy_intent(&coord, p, 6, i as u64 + 1)).unwrap().resident.unwrap())
             .collect();
         assert_eq!(stepper2.seated().unwrap(), Some(targets[0]));
         let step = stepper2.prefill_group(&ImmutablePrefillGroup { targets: targets.clone() }).unwrap();
@@ -67,13 +47,7 @@ fn a_group_prefill_gives_each_request_what_it_gets_alone() {
             let delta = step.deltas.iter().find(|(d, _)| d == r).expect("every target gets its first token");
             assert_eq!(delta.1.token_ids.as_slice(), &[alone[i][0]], "{name}: first token of request {i}");
         }
-        let mut outputs = std::collections::BTreeMap::new();
-        while !stepper2.residents().unwrap().is_empty() {
-            let step = stepper2.decode(&ImmutableDecodeBatch { residents: stepper2.residents().unwrap() }).unwrap();
-            for (_, b) in step.finished {
-                outputs.insert(b.identity.request_id, b.output_ids);
-            }
-        }
+        let outputs = decode_to_the_end(stepper2);
         for (i, a) in alone.iter().enumerate() {
             assert_eq!(&outputs[&(i as u64 + 1)], a, "{name}: request {i}");
         }
@@ -85,13 +59,13 @@ fn a_group_prefill_gives_each_request_what_it_gets_alone() {
 fn the_group_protocol_refuses_misuse_and_changes_nothing() {
     let coord = coordinator("llama");
     let stepper: &StepperHandle = coord.stepper();
-    let p = prompts();
-    let a = stepper.admit_into_group(intent(&coord, &p[0], 3, 1)).unwrap().resident.unwrap();
-    let b = stepper.admit_into_group(intent(&coord, &p[1], 3, 2)).unwrap().resident.unwrap();
+    let p = group_prompts();
+    let a = stepper.admit_into_group(greedy_intent(&coord, &p[0], 3, 1)).unwrap().resident.unwrap();
+    let b = stepper.admit_into_group(greedy_intent(&coord, &p[1], 3, 2)).unwrap().resident.unwrap();
     let counts = coord.counts();
     // The seed's single-target prefill, a seed admit, a decode, a wrong or partial group: all refused.
     assert!(is_protocol(stepper.prefill(&ImmutablePrefillBatch { target: a }).unwrap_err()));
-    assert!(is_protocol(stepper.admit(intent(&coord, &p[2], 3, 3)).unwrap_err()));
+    assert!(is_protocol(stepper.admit(greedy_intent(&coord, &p[2], 3, 3)).unwrap_err()));
     assert!(is_protocol(stepper.decode(&ImmutableDecodeBatch { residents: vec![a, b] }).unwrap_err()));
     assert!(is_protocol(stepper.prefill_group(&ImmutablePrefillGroup { targets: vec![a] }).unwrap_err()));
     assert!(is_protocol(stepper.prefill_group(&ImmutablePrefillGroup { targets: vec![b, a] }).unwrap_err()));
@@ -100,9 +74,7 @@ fn the_group_protocol_refuses_misuse_and_changes_nothing() {
     let step = stepper.prefill_group(&ImmutablePrefillGroup { targets: vec![a, b] }).unwrap();
     assert_eq!(step.participants.len(), 2);
     assert!(is_protocol(stepper.prefill_group(&ImmutablePrefillGroup { targets: vec![a, b] }).unwrap_err()));
-    while !stepper.residents().unwrap().is_empty() {
-        stepper.decode(&ImmutableDecodeBatch { residents: stepper.residents().unwrap() }).unwrap();
-    }
+    decode_to_the_end(stepper);
     assert_idle(&coord);
 }
 
@@ -110,7 +82,7 @@ fn the_group_protocol_refuses_misuse_and_changes_nothing() {
 fn a_group_of_one_is_the_seed_protocol() {
     let coord = coordinator("llama");
     let stepper = coord.stepper();
-    let r = stepper.admit_into_group(intent(&coord, &prompts()[0], 2, 1)).unwrap().resident.unwrap();
+    let r = stepper.admit_into_group(greedy_intent(&coord, &group_prompts()[0], 2, 1)).unwrap().resident.unwrap();
     let step = stepper.prefill(&ImmutablePrefillBatch { target: r }).unwrap();
     assert_eq!(step.participants.len(), 1);
     stepper.decode(&ImmutableDecodeBatch { residents: vec![r] }).unwrap();
@@ -121,9 +93,9 @@ fn a_group_of_one_is_the_seed_protocol() {
 fn a_cancelled_member_finishes_cancelled_while_the_rest_are_prefilled() {
     let coord = coordinator("llama");
     let stepper = coord.stepper();
-    let p = prompts();
-    let a = stepper.admit_into_group(intent(&coord, &p[0], 3, 1)).unwrap().resident.unwrap();
-    let b = stepper.admit_into_group(intent(&coord, &p[1], 3, 2)).unwrap().resident.unwrap();
+    let p = group_prompts();
+    let a = stepper.admit_into_group(greedy_intent(&coord, &p[0], 3, 1)).unwrap().resident.unwrap();
+    let b = stepper.admit_into_group(greedy_intent(&coord, &p[1], 3, 2)).unwrap().resident.unwrap();
     stepper.cancel(a).unwrap();
     let step = stepper.prefill_group(&ImmutablePrefillGroup { targets: vec![a, b] }).unwrap();
     assert!(step.ok);
@@ -132,9 +104,7 @@ fn a_cancelled_member_finishes_cancelled_while_the_rest_are_prefilled() {
     assert_eq!(step.finished[0].1.finish_reason, FinishReason::Cancelled);
     assert_eq!(step.deltas.len(), 1);
     assert_eq!(step.deltas[0].0, b);
-    while !stepper.residents().unwrap().is_empty() {
-        stepper.decode(&ImmutableDecodeBatch { residents: stepper.residents().unwrap() }).unwrap();
-    }
+    decode_to_the_end(stepper);
     assert_idle(&coord);
 }
 
@@ -142,10 +112,10 @@ fn a_cancelled_member_finishes_cancelled_while_the_rest_are_prefilled() {
 fn seating_stops_at_the_token_budget_and_at_no_capacity_but_passes_rejections() {
     let coord = RuntimeCoordinator::new(small_config("llama", 4, 128, 4)).unwrap(); // 4 slots, 128 KV tokens
     let stepper = coord.stepper();
-    let p = prompts(); // 13, 5 and 21 tokens
-    let too_long = intent(&coord, &p[0], 200, 9); // can never fit the KV cache: rejected at admission
+    let p = group_prompts(); // 13, 5 and 21 tokens
+    let too_long = greedy_intent(&coord, &p[0], 200, 9); // can never fit the KV cache: rejected at admission
     let mut waiting: VecDeque<AdmissionIntent> =
-        vec![too_long, intent(&coord, &p[0], 3, 1), intent(&coord, &p[1], 3, 2), intent(&coord, &p[2], 3, 3)].into();
+        vec![too_long, greedy_intent(&coord, &p[0], 3, 1), greedy_intent(&coord, &p[1], 3, 2), greedy_intent(&coord, &p[2], 3, 3)].into();
     let (mut admitted, mut rejected) = (Vec::new(), Vec::new());
     let group = seat_prefill_group(stepper, &mut waiting, |i| i, 18, |i, r| admitted.push((i.request_id, r)), |i, why| {
         rejected.push((i.request_id, why))
@@ -165,7 +135,7 @@ fn seating_stops_at_the_token_budget_and_at_no_capacity_but_passes_rejections() 
     assert!(waiting.is_empty());
     stepper.prefill_group(&ImmutablePrefillGroup { targets: group.targets }).unwrap();
     // The fourth slot takes one more; the fifth request finds no slot and stays queued, refused at the head.
-    waiting.extend([intent(&coord, &p[1], 3, 4), intent(&coord, &p[1], 3, 5)]);
+    waiting.extend([greedy_intent(&coord, &p[1], 3, 4), greedy_intent(&coord, &p[1], 3, 5)]);
     let group = seat_prefill_group(stepper, &mut waiting, |i| i, 1000, |_, _| {}, |_, _| {}).unwrap();
     assert_eq!(group.targets.len(), 1);
     assert_eq!(group.head_refused, None);
@@ -174,9 +144,7 @@ fn seating_stops_at_the_token_budget_and_at_no_capacity_but_passes_rejections() 
     assert!(group.targets.is_empty());
     assert!(group.head_refused.is_some());
     assert_eq!(waiting.len(), 1);
-    while !stepper.residents().unwrap().is_empty() {
-        stepper.decode(&ImmutableDecodeBatch { residents: stepper.residents().unwrap() }).unwrap();
-    }
+    decode_to_the_end(stepper);
     assert_idle(&coord);
 }
 

@@ -13,7 +13,7 @@ use stepllm_core::error::Error;
 use stepllm_core::ids::ResidentRef;
 use stepllm_core::request::{GenerationRequest, Prompt, SamplingParams};
 use stepllm_core::state::PoolCounts;
-use stepllm_core::step::{AdmissionStatus, ImmutableDecodeBatch, ImmutablePrefillBatch};
+use stepllm_core::step::{AdmissionStatus, ImmutableDecodeBatch, ImmutableMixedBatch, ImmutablePrefillBatch};
 use stepllm_core::stepped::{SteppedExecution, SteppedRequest};
 
 #[derive(Debug, Clone)]
@@ -33,6 +33,7 @@ enum Op {
     PrefillSeated,
     PrefillOther(usize),
     Decode { mask: u8 },
+    Mixed { mask: u8 },
     DecodeStale(usize),
     Cancel(usize),
     Abort,
@@ -56,6 +57,7 @@ fn op() -> impl Strategy<Value = Op> {
         4 => Just(Op::PrefillSeated),
         1 => (0usize..8).prop_map(Op::PrefillOther),
         6 => any::<u8>().prop_map(|mask| Op::Decode { mask }),
+        2 => any::<u8>().prop_map(|mask| Op::Mixed { mask }),
         1 => (0usize..8).prop_map(Op::DecodeStale),
         1 => (0usize..8).prop_map(Op::Cancel),
         1 => Just(Op::Abort),
@@ -208,6 +210,27 @@ impl Sut {
                     assert!(!d.token_ids.is_empty());
                 }
                 assert!(finished.iter().all(|r| chosen.contains(r)));
+                self.retire(finished);
+            }
+            Op::Mixed { mask } => {
+                let mut running: Vec<_> = self.live.iter().copied().filter(|r| Some(*r) != self.seated).collect();
+                running.sort();
+                let chosen: Vec<_> = running.iter().enumerate().filter(|(i, _)| mask & (1 << (i % 8)) != 0).map(|(_, r)| *r).collect();
+                let targets: Vec<_> = self.seated.into_iter().collect();
+                let Some(s) = self.stepped.as_mut() else { return };
+                let r = s.mixed(&ImmutableMixedBatch { residents: chosen.clone(), targets: targets.clone() });
+                if chosen.is_empty() || targets.is_empty() {
+                    return self.expect_unchanged(before, r, "mixed step without residents or without a seated group");
+                }
+                let step = r.unwrap();
+                self.seated = None;
+                let named = |r: &ResidentRef| chosen.contains(r) || targets.contains(r);
+                let finished: HashSet<_> = step.finished.iter().map(|(r, _)| *r).collect();
+                for (r, d) in &step.deltas {
+                    assert!(named(r) && !finished.contains(r));
+                    assert!(!d.token_ids.is_empty());
+                }
+                assert!(finished.iter().all(named));
                 self.retire(finished);
             }
             Op::DecodeStale(i) => {

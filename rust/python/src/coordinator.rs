@@ -13,7 +13,7 @@ use crate::errors::{compute, compute_ok};
 use crate::request::{prompt_from_py, PyGenerationRequest, PyGenerationResponse};
 use crate::types::{
     refs, PyAdmissionIntent, PyAdmissionResult, PyBatchResult, PyImmutableDecodeBatch,
-    PyImmutablePrefillBatch, PyImmutablePrefillGroup, PyResidentRef, PyStepResult,
+    PyImmutableMixedBatch, PyImmutablePrefillBatch, PyImmutablePrefillGroup, PyResidentRef, PyStepResult,
 };
 
 pub fn counts_dict<'py>(py: Python<'py>, c: &PoolCounts) -> PyResult<Bound<'py, PyDict>> {
@@ -252,6 +252,10 @@ impl PySteppedRequest {
 
     fn decode(&self, py: Python<'_>, batch: PyImmutableDecodeBatch) -> PyResult<PyStepResult> {
         Ok(PyStepResult(compute(py, || self.lock().decode(&batch.0))?))
+    }
+
+    fn mixed(&self, py: Python<'_>, batch: PyImmutableMixedBatch) -> PyResult<PyStepResult> {
+        Ok(PyStepResult(compute(py, || self.lock().mixed(&batch.0))?))
     }
 
     fn residents(&self, py: Python<'_>) -> PyResult<Vec<PyResidentRef>> {

@@ -5,7 +5,7 @@ use pyo3::prelude::*;
 use pyo3::IntoPyObjectExt;
 use stepllm_core::ids::{ResidentRef, SequenceIdentity};
 use stepllm_core::step::{
-    AdmissionIntent, AdmissionResult, AdmissionStatus, BatchResult, ImmutableDecodeBatch,
+    AdmissionIntent, AdmissionResult, AdmissionStatus, BatchResult, ImmutableDecodeBatch, ImmutableMixedBatch,
     ImmutablePrefillBatch, ImmutablePrefillGroup, ScheduledSequenceDescriptor, SequenceWork, StepExecution, StepResult,
     TokenDelta,
 };
@@ -113,6 +113,7 @@ impl PySequenceIdentity {
 pub enum PySequenceWork {
     Context,
     Decode,
+    Mixed,
 }
 
 impl From<SequenceWork> for PySequenceWork {
@@ -120,6 +121,7 @@ impl From<SequenceWork> for PySequenceWork {
         match w {
             SequenceWork::Context => Self::Context,
             SequenceWork::Decode => Self::Decode,
+            SequenceWork::Mixed => Self::Mixed,
         }
     }
 }
@@ -545,6 +547,39 @@ impl PyImmutableDecodeBatch {
     }
 }
 
+#[pyclass(
+    module = "stepllm._core",
+    name = "ImmutableMixedBatch",
+    frozen,
+    eq,
+    hash,
+    from_py_object
+)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct PyImmutableMixedBatch(pub ImmutableMixedBatch);
+
+#[pymethods]
+impl PyImmutableMixedBatch {
+    #[new]
+    fn new(residents: Vec<PyResidentRef>, targets: Vec<PyResidentRef>) -> Self {
+        Self(ImmutableMixedBatch {
+            residents: residents.into_iter().map(|r| r.0).collect(),
+            targets: targets.into_iter().map(|r| r.0).collect(),
+        })
+    }
+    #[getter]
+    fn residents(&self) -> Vec<PyResidentRef> {
+        refs(&self.0.residents)
+    }
+    #[getter]
+    fn targets(&self) -> Vec<PyResidentRef> {
+        refs(&self.0.targets)
+    }
+    fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
+        py_repr!(py, "ImmutableMixedBatch", "residents" => self.residents(), "targets" => self.targets())
+    }
+}
+
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyResidentRef>()?;
     m.add_class::<PySequenceIdentity>()?;
@@ -560,5 +595,6 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyImmutablePrefillBatch>()?;
     m.add_class::<PyImmutablePrefillGroup>()?;
     m.add_class::<PyImmutableDecodeBatch>()?;
+    m.add_class::<PyImmutableMixedBatch>()?;
     Ok(())
 }

@@ -14,7 +14,10 @@ use super::Fault;
 use crate::error::{Error, Result};
 use crate::ids::ResidentRef;
 use crate::state::PoolCounts;
-use crate::step::{AdmissionIntent, AdmissionResult, BatchResult, ImmutableDecodeBatch, ImmutablePrefillBatch, ImmutablePrefillGroup, StepResult};
+use crate::step::{
+    AdmissionIntent, AdmissionResult, BatchResult, ImmutableDecodeBatch, ImmutableMixedBatch, ImmutablePrefillBatch, ImmutablePrefillGroup,
+    StepResult,
+};
 use crate::stepper::RuntimeStepper;
 
 /// One stepped operation, executed by every rank.
@@ -27,6 +30,7 @@ pub enum RankCommand {
     Prefill(ImmutablePrefillBatch),
     PrefillGroup(ImmutablePrefillGroup),
     Decode(ImmutableDecodeBatch),
+    Mixed(ImmutableMixedBatch),
     Cancel(ResidentRef),
     AbortAll,
     Residents,
@@ -215,6 +219,7 @@ fn run_command(s: &mut RuntimeStepper, command: RankCommand) -> Result<RankReply
         RankCommand::Prefill(batch) => RankReply::Step(s.prefill(&batch)?),
         RankCommand::PrefillGroup(group) => RankReply::Step(s.prefill_group(&group)?),
         RankCommand::Decode(batch) => RankReply::Step(s.decode(&batch)?),
+        RankCommand::Mixed(batch) => RankReply::Step(s.mixed(&batch)?),
         RankCommand::Cancel(r) => {
             s.cancel(r)?;
             RankReply::Done

@@ -8,6 +8,8 @@ use stepllm_core::backend::KvCacheDtype;
 use stepllm_core::model::{load_model, Device, ForwardBatch, LoadedModel, ModelConfig, ModelRunner, StepTiming};
 use stepllm_core::sampling::{RowContext, Sampled};
 use stepllm_core::request::{GenerationRequest, Prompt, SamplingParams};
+use stepllm_core::step::{AdmissionIntent, ImmutableDecodeBatch};
+use stepllm_core::stepper_handle::StepperHandle;
 
 pub fn fixture_dir(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures").join(name)
@@ -133,4 +135,39 @@ pub fn assert_parts_read_alone_equal_parts_cut(model: &dyn stepllm_core::model::
     let past_the_end = Rows { start: config.vocab_size, len: 1 };
     let err = model.tensor_part(embed, past_the_end).unwrap_err().to_string();
     assert!(err.contains("the shard needs rows"), "{err}");
+}
+
+/// Three prompts of different lengths (13, 5 and 21 tokens) for the batched-prefill and mixed-step tests.
+pub fn group_prompts() -> Vec<Vec<u32>> {
+    vec![
+        (0..13).map(|i| (i * 7 + 3) % 400).collect(),
+        (0..5).map(|i| (i * 11 + 1) % 400).collect(),
+        (0..21).map(|i| (i * 3 + 17) % 400).collect(),
+    ]
+}
+
+/// A greedy request's intent, with request id `id` and original index `id - 1`.
+pub fn greedy_intent(coord: &RuntimeCoordinator, prompt: &[u32], max_tokens: usize, id: u64) -> AdmissionIntent {
+    coord.intents().build(greedy_ids(prompt, max_tokens), id, id as u32 - 1).unwrap()
+}
+
+/// Nothing live, nothing leased, and every block accounted for.
+pub fn assert_idle(coord: &RuntimeCoordinator) {
+    let c = coord.counts();
+    assert_eq!(c.live_slots, 0);
+    assert_eq!(c.free_slots, c.slot_capacity);
+    assert_eq!(c.leased_blocks, 0);
+    assert_eq!(c.free_blocks + c.leased_blocks + c.cached_blocks, c.total_blocks);
+}
+
+/// Decode every resident until none is left; returns each finished request's output ids by request id.
+pub fn decode_to_the_end(stepper: &StepperHandle) -> std::collections::BTreeMap<u64, Vec<u32>> {
+    let mut outputs = std::collections::BTreeMap::new();
+    while !stepper.residents().unwrap().is_empty() {
+        let step = stepper.decode(&ImmutableDecodeBatch { residents: stepper.residents().unwrap() }).unwrap();
+        for (_, b) in step.finished {
+            outputs.insert(b.identity.request_id, b.output_ids);
+        }
+    }
+    outputs
 }

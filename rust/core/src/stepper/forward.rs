@@ -1,0 +1,95 @@
+//! How a step's rows become one forward: their order, the ragged batch, and the forward with sampling.
+
+use crate::ids::ResidentRef;
+use crate::model::{ForwardBatch, SeqSlice};
+use crate::request::FinishReason;
+use crate::sampling::{RowContext, Sampled};
+use crate::session::{Ending, Phase};
+use crate::step::SequenceWork;
+
+use super::RuntimeStepper;
+
+impl RuntimeStepper {
+    /// The ragged batch: each sequence's uncomputed tokens, their positions and its block table. It is built in
+    /// the previous step's batch (`batch_scratch`, handed back after the forward) to reuse its allocations.
+    pub(super) fn plan_forward(&mut self, refs: &[ResidentRef]) -> ForwardBatch {
+        let mut fb = std::mem::take(&mut self.batch_scratch);
+        fb.tokens.clear();
+        fb.positions.clear();
+        fb.logits_for.clear();
+        fb.seqs.truncate(refs.len());
+        for (i, r) in refs.iter().enumerate() {
+            let row = self.session.get(*r).expect("validated");
+            let query: &[u32] = match row.phase {
+                Phase::Seated => &row.prompt_ids[row.computed..],
+                _ => std::slice::from_ref(row.output_ids.last().expect("running rows have a token")),
+            };
+            let start = fb.tokens.len();
+            fb.tokens.extend_from_slice(query);
+            fb.positions.extend((row.computed..row.computed + query.len()).map(|p| p as u32));
+            let needed_blocks = (row.computed + query.len()).div_ceil(self.config.block_size);
+            if i == fb.seqs.len() {
+                fb.seqs.push(SeqSlice { start: 0, len: 0, past_len: 0, block_table: Vec::new() });
+            }
+            let seq = &mut fb.seqs[i];
+            seq.start = start;
+            seq.len = query.len();
+            seq.past_len = row.computed;
+            seq.block_table.clear();
+            seq.block_table.extend_from_slice(&row.lease.blocks[..needed_blocks]);
+            fb.logits_for.push(start + query.len() - 1);
+        }
+        fb
+    }
+
+    /// The order the forward takes `refs` in: for decode, the longest context first (ties by slot). A row's
+    /// attention costs in proportion to its context, and a GPU starts a launch's blocks in row order, so a long
+    /// row placed last would run on alone after the others are done; longest-first keeps the tail short (the
+    /// mixed workload of benchmarks/gpu_decode.py, benchmarks/RESULTS.md). Rows are independent in the forward,
+    /// so the order changes no result. Prefill keeps the admission order, and a mixed step puts its prefill
+    /// rows, in admission order, after its decode rows.
+    pub(super) fn forward_order(&mut self, refs: &[ResidentRef], work: SequenceWork) -> Vec<ResidentRef> {
+        let mut order = std::mem::take(&mut self.order_scratch);
+        order.clear();
+        if work == SequenceWork::Context {
+            order.extend_from_slice(refs);
+            return order;
+        }
+        let seated = |r: &ResidentRef| self.session.get(*r).is_some_and(|row| row.phase == Phase::Seated);
+        // Each row's key is looked up once: (longest first, then slot), packed so the sort compares integers.
+        let keys = &mut self.order_keys;
+        keys.clear();
+        keys.extend(refs.iter().filter(|r| !seated(r)).map(|r| {
+            let context = self.session.get(*r).map_or(0, |row| row.computed).min(u32::MAX as usize) as u64;
+            (((u32::MAX as u64 - context) << 32) | r.slot as u64, *r)
+        }));
+        keys.sort_unstable_by_key(|&(key, _)| key);
+        order.extend(keys.iter().map(|&(_, r)| r));
+        if work == SequenceWork::Mixed {
+            order.extend(refs.iter().filter(|r| seated(r)));
+        }
+        order
+    }
+
+    /// Forward then sample every row; an Err carries the ending that every participant latches.
+    pub(super) fn run_and_sample(&mut self, fb: &ForwardBatch, refs: &[ResidentRef]) -> std::result::Result<Vec<Sampled>, Ending> {
+        let ctxs: Vec<RowContext> = refs
+            .iter()
+            .map(|r| {
+                let row = self.session.get(*r).expect("validated");
+                RowContext {
+                    params: &row.sampling,
+                    prompt_ids: &row.prompt_ids,
+                    output_ids: &row.output_ids,
+                    position: row.total_len() as u64,
+                    seed: row.seed,
+                }
+            })
+            .collect();
+        self.runner.forward_and_sample(fb, &ctxs).map_err(|e| Ending {
+            reason: FinishReason::Error,
+            stop_reason: None,
+            error: Some(e.to_string()),
+        })
+    }
+}
