@@ -201,10 +201,10 @@ impl RuntimeStepper {
         self.validate_group_targets("a mixed step", &batch.targets)?;
         self.validate_decode_batch(&batch.residents)?;
         let targets = std::mem::take(&mut self.seated);
-        let mut computing = self.end_latched(&batch.residents)?;
-        let mut descriptors = self.decode_descriptors(&computing);
+        let decoding = self.end_latched(&batch.residents)?;
+        let mut descriptors = self.decode_descriptors(&decoding);
         descriptors.extend(self.prefill_descriptors(&targets)?);
-        computing.extend(self.end_latched(&targets)?);
+        let computing = [decoding.as_slice(), self.end_latched(&targets)?.as_slice()].concat();
         let (ok, timing) = self.compute(&computing, SequenceWork::Mixed)?;
         let mut published = false;
         for &r in &targets {
@@ -212,8 +212,8 @@ impl RuntimeStepper {
             published |= self.publish_prefix(r, CommitPolicy::PrefillOnly)?;
         }
         if self.budget.cache.config().commit == CommitPolicy::IncludingGenerated {
-            for r in batch.residents.iter().filter(|r| computing.contains(r)) {
-                published |= self.publish_prefix(*r, CommitPolicy::IncludingGenerated)?;
+            for &r in &decoding {
+                published |= self.publish_prefix(r, CommitPolicy::IncludingGenerated)?;
             }
         }
         let tokens = descriptors.iter().map(|d| d.query_length).sum();
