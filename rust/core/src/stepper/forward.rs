@@ -55,13 +55,19 @@ impl RuntimeStepper {
             order.extend_from_slice(refs);
             return order;
         }
-        let seated = |r: &ResidentRef| self.session.get(*r).is_some_and(|row| row.phase == Phase::Seated);
-        // Each row's key is looked up once: (longest first, then slot), packed so the sort compares integers.
+        let session = &self.session;
+        let seated = |r: &ResidentRef| session.get(*r).is_some_and(|row| row.phase == Phase::Seated);
+        // Each row is looked up once: its key (longest first, then slot), packed so the sort compares integers;
+        // a mixed step's seated rows are left for the end.
         let keys = &mut self.order_keys;
         keys.clear();
-        keys.extend(refs.iter().filter(|r| !seated(r)).map(|r| {
-            let context = self.session.get(*r).map_or(0, |row| row.computed).min(u32::MAX as usize) as u64;
-            (((u32::MAX as u64 - context) << 32) | r.slot as u64, *r)
+        keys.extend(refs.iter().filter_map(|r| {
+            let row = session.get(*r);
+            if row.is_some_and(|row| row.phase == Phase::Seated) {
+                return None;
+            }
+            let context = row.map_or(0, |row| row.computed).min(u32::MAX as usize) as u64;
+            Some((((u32::MAX as u64 - context) << 32) | r.slot as u64, *r))
         }));
         keys.sort_unstable_by_key(|&(key, _)| key);
         order.extend(keys.iter().map(|&(_, r)| r));

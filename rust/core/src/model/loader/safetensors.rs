@@ -163,11 +163,8 @@ impl Shard {
         let info = self.info(name)?;
         part.check(name, &info.shape)?;
         let bytes = self.bytes(info);
-        let size = match info.dtype {
-            Dtype::F32 => 4,
-            Dtype::F16 | Dtype::BF16 => 2,
-            other => return Err(self.unsupported(name, other)),
-        };
+        // Bytes per element; a dtype that `floats` does not read is refused there.
+        let size = info.dtype.bitsize() / 8;
         let row = info.shape.iter().skip(1).product::<usize>() * size;
         let floats = match part {
             TensorPart::Rows { start, len } => self.floats(name, info.dtype, &bytes[start * row..(start + len) * row])?,
@@ -194,16 +191,14 @@ impl Shard {
             Dtype::F32 => convert(bytes, |b: &[u8; 4]| f32::from_le_bytes(*b)),
             Dtype::F16 => convert(bytes, |b: &[u8; 2]| half::f16::from_le_bytes(*b).to_f32()),
             Dtype::BF16 => convert(bytes, |b: &[u8; 2]| half::bf16::from_le_bytes(*b).to_f32()),
-            other => return Err(self.unsupported(name, other)),
+            other => {
+                return load_err(format!(
+                    "tensor {name:?} in {} has dtype {other:?}; stepllm reads F32, F16 and BF16 checkpoints \
+                     (quantized safetensors are not supported)",
+                    self.path.display()
+                ))
+            }
         })
-    }
-
-    fn unsupported(&self, name: &str, dtype: Dtype) -> Error {
-        Error::Load(format!(
-            "tensor {name:?} in {} has dtype {dtype:?}; stepllm reads F32, F16 and BF16 checkpoints (quantized \
-             safetensors are not supported)",
-            self.path.display()
-        ))
     }
 
     fn bytes(&self, info: &TensorInfo) -> &[u8] {
