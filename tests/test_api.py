@@ -301,6 +301,40 @@ def test_stepped_mixed_step_decodes_the_running_while_the_group_joins() -> None:
         assert outputs[i + 1] == row["greedy_ids"], i
 
 
+def test_stepped_prompts_longer_than_the_budget_are_prefilled_in_chunks() -> None:
+    """Beyond the seed: with max_prefill_tokens=5 a step computes at most 5 prompt tokens. A longer prompt stays
+    seated (seated()) until the chunk that samples its first token, the founder decodes in every chunk's mixed
+    step, and every request still gets the transformers reference's greedy ids."""
+    rows = expected("qwen2")["rows"]
+    assert [len(r["prompt_ids"]) for r in rows] == [7, 3, 12, 21]
+    coord = coordinator("qwen2", max_prefill_tokens=5)
+    stepped = coord.begin_stepped(row_request(rows[0]), request_id=1, original_index=0)
+    founder = stepped.founder()
+    first = stepped.prefill(stepllm.ImmutablePrefillBatch(target=founder))
+    # begin computed the founder's 7 tokens in two chunks; the step reported is the one with its first token
+    assert [(p.query_length, p.past_length, p.select_last_token_logits) for p in first.participants] == [(2, 5, True)]
+    assert stepped.seated() == []
+    refs = [stepped.admit_into_group(row_request(row), original_index=i, request_id=i + 1).ref
+            for i, row in enumerate(rows[1:], start=1)]
+    assert stepped.seated() == refs
+    chunks = []
+    while stepped.seated():
+        step = stepped.mixed(stepllm.ImmutableMixedBatch(residents=[founder], targets=stepped.seated()))
+        assert step.ok and [r for r, _ in step.deltas][:1] == [founder]
+        prompt_work = [p for p in step.participants if p.work == stepllm.SequenceWork.CONTEXT]
+        assert sum(p.query_length for p in prompt_work) <= 5
+        chunks.append([(refs.index(p.identity.resident), p.query_length, p.select_last_token_logits) for p in prompt_work])
+    assert chunks == [[(0, 3, True), (1, 2, False)], [(1, 5, False)], [(1, 5, True)], [(2, 5, False)],
+                      [(2, 5, False)], [(2, 5, False)], [(2, 5, False)], [(2, 1, True)]]
+    outputs = {}
+    while stepped.residents():
+        for ref, result in stepped.decode(stepllm.ImmutableDecodeBatch(residents=stepped.residents())).finished:
+            outputs[result.identity.request_id] = result.output_ids
+    assert stepped.finish().output_ids == rows[0]["greedy_ids"]
+    for i, row in enumerate(rows[1:], start=1):
+        assert outputs[i + 1] == row["greedy_ids"], i
+
+
 def test_stepped_session_usable_from_threads_and_releases_the_gil() -> None:
     coord = coordinator()
     with coord.begin_stepped(stepllm.GenerationRequest("Hello", greedy(40))) as stepped:

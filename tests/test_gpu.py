@@ -294,6 +294,17 @@ def test_gpu_sampling_options(models_dir: Path) -> None:
 
 # ---------------------------------------------------------------------------------------- the stepped API on the GPU
 
+def assert_logprobs_agree_until_near_tie(got: list, want: list, what: object) -> None:
+    """Greedy tokens (with logprobs=2) agree until the reference's first near-tie (a log-probability gap under
+    0.25), and every agreed token's log-probability is within the bf16 tolerance."""
+    for i, (g, w) in enumerate(zip(got, want)):
+        if g.token_id != w.token_id:
+            (_, best), (_, second) = w.top[:2]
+            assert best - second < 0.25, (what, f"diverged at {i} with a log-probability gap of {best - second:.3f}")
+            return
+        assert abs(g.logprob - w.logprob) < 0.25 + 0.03 * abs(w.logprob), (what, i, g, w)
+
+
 def assert_released(coord: stepllm.RuntimeCoordinator) -> None:
     c = coord.counts()
     check_invariants(c)
@@ -360,6 +371,42 @@ def test_mixed_step_on_gpu(models_dir: Path) -> None:
         for _, result in step.finished:
             done[result.identity.original_index] = result.output_ids
     assert [stepped.finish().output_ids, done[1], done[2]] == alone
+    assert_released(coord)
+
+
+def test_chunked_prefill_on_gpu(models_dir: Path) -> None:
+    """With max_prefill_tokens=64 a prompt of 300 tokens is computed in five chunks, the later ones attending to
+    the cached earlier ones (the prefill attention over a cached prefix) and the first four asking no logits; two
+    more join in chunks while it decodes (mixed steps). Each request's greedy ids agree with its prompt computed
+    whole until that run's first near-tie (log-probability gap < 0.25), every agreed token's log-probability
+    within the bf16 tolerance, and the decode steps after the chunks replay graphs."""
+    path = gpu_models.make("qwen3", models_dir)
+    prompts = [[(11 * i + 5 * k) % 997 + 2 for i in range(n)] for k, n in enumerate((300, 129, 40))]
+    requests = [stepllm.GenerationRequest(p, greedy(8, logprobs=2)) for p in prompts]
+    whole = coordinator(path, "cuda", graphs=True).dispatch_request(requests)
+    coord = coordinator(path, "cuda", graphs=True, max_prefill_tokens=64)
+    stepped = coord.begin_stepped(requests[0])
+    founder = stepped.founder()
+    first = stepped.prefill(stepllm.ImmutablePrefillBatch(target=founder))
+    assert [(p.query_length, p.past_length, p.select_last_token_logits) for p in first.participants] == [(44, 256, True)]
+    stepped.decode(stepllm.ImmutableDecodeBatch(residents=[founder]))
+    targets = [stepped.admit_into_group(r, original_index=i, request_id=i + 1).ref for i, r in enumerate(requests[1:], start=1)]
+    chunks = []
+    while stepped.seated():
+        step = stepped.mixed(stepllm.ImmutableMixedBatch(residents=[founder], targets=stepped.seated()))
+        assert step.ok and not step.execution.cuda_graph, step
+        chunks.append([p.query_length for p in step.participants if p.work == stepllm.SequenceWork.CONTEXT])
+    assert chunks == [[64], [64], [1, 40]], chunks
+    done = {}
+    while stepped.residents():
+        step = stepped.decode(stepllm.ImmutableDecodeBatch(residents=stepped.residents()))
+        assert step.execution.cuda_graph, step.execution
+        for _, result in step.finished:
+            done[result.identity.original_index] = stepped.materialize(result)
+    done[0] = stepped.finish()
+    for k, want in enumerate(whole):
+        assert len(done[k].output_ids) == len(want.output_ids) == 8, k
+        assert_logprobs_agree_until_near_tie(done[k].logprobs, want.logprobs, k)
     assert_released(coord)
 
 
@@ -585,9 +632,4 @@ def test_tensor_core_decode_attention_matches_cuda_core_kernel(name: str, kv_cac
         assert len(g.output_ids) == len(r.output_ids) == 8, what
         assert g32.output_ids == g.output_ids, (what, "block size 32", g32.output_ids, g.output_ids)
         assert g8.output_ids == r.output_ids, (what, "block size 8", g8.output_ids, r.output_ids)
-        for i, (got, want) in enumerate(zip(g.logprobs, r.logprobs)):
-            if got.token_id != want.token_id:
-                (_, best), (_, second) = want.top[:2]
-                assert best - second < 0.25, (what, f"diverged at {i} with a log-probability gap of {best - second:.3f}")
-                break
-            assert abs(got.logprob - want.logprob) < 0.25 + 0.03 * abs(want.logprob), (what, i, got, want)
+        assert_logprobs_agree_until_near_tie(g.logprobs, r.logprobs, what)

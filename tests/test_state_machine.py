@@ -1,5 +1,6 @@
 """Hypothesis state machine over random admit / prefill / decode / cancel / abort / finish and bad input,
-checking the ARCHITECTURE.md invariants after every step."""
+checking the ARCHITECTURE.md invariants after every step. A step computes at most PREFILL_BUDGET prompt tokens,
+so longer prompts are prefilled in chunks and stay seated in between."""
 
 from __future__ import annotations
 
@@ -16,13 +17,15 @@ from conftest import check_invariants, coordinator
 CAPACITY = 3
 BLOCK = 4
 KV_TOKENS = 96  # 24 blocks: small enough that the budget refuses some requests
+PREFILL_BUDGET = 8
 
 
 
 def fresh_coordinator() -> stepllm.RuntimeCoordinator:
     # One per example: context-cache contents change what admission grants, so a shared runtime would make
     # examples depend on the ones before them (and hypothesis could not replay them).
-    return coordinator("qwen3", max_batch_size=CAPACITY, kv_cache_tokens=KV_TOKENS, block_size=BLOCK)
+    return coordinator("qwen3", max_batch_size=CAPACITY, kv_cache_tokens=KV_TOKENS, block_size=BLOCK,
+                       max_prefill_tokens=PREFILL_BUDGET)
 
 
 prompts = st.lists(st.integers(min_value=3, max_value=40), min_size=1, max_size=30)
@@ -47,6 +50,7 @@ class SteppedMachine(RuleBasedStateMachine):
         self.dead: set[stepllm.ResidentRef] = set()
         self.seated: stepllm.ResidentRef | None = None
         self.group: list[stepllm.ResidentRef] = []  # admitted into a group, waiting for prefill_group
+        self.cancelled: set[stepllm.ResidentRef] = set()  # cancels latched; the next step naming them ends them
         self.founder_reported = False
         self.baseline: dict[str, int] = {}
         self.next_id = 1
@@ -78,6 +82,19 @@ class SteppedMachine(RuleBasedStateMachine):
             event(f"finished {result.finish_reason}")
         assert not {r for r, _ in step.deltas} & {r for r, _ in step.finished}
 
+    def still_seated(self, step: stepllm.StepResult, targets: list[stepllm.ResidentRef]) -> list[stepllm.ResidentRef]:
+        """The targets a prefill-type step leaves seated: those whose chunk stopped short of the prompt's end.
+        Cancelled targets end unscheduled; the others share the step's budget in admission order."""
+        prompt_work = [p for p in step.participants if p.work == stepllm.SequenceWork.CONTEXT]
+        assert [p.identity.resident for p in prompt_work] == [r for r in targets if r not in self.cancelled][:len(prompt_work)]
+        assert sum(p.query_length for p in prompt_work) <= PREFILL_BUDGET
+        done = {p.identity.resident for p in prompt_work if p.select_last_token_logits} | {r for r, _ in step.finished}
+        for p in prompt_work:
+            if not p.select_last_token_logits:
+                event("a prompt chunk short of its prompt's end")
+                assert p.identity.resident not in {r for r, _ in step.deltas}
+        return [r for r in targets if r not in done]
+
     def session_open(self) -> bool:
         return self.stepped is not None
 
@@ -94,6 +111,7 @@ class SteppedMachine(RuleBasedStateMachine):
         self.founder_reported = False
         self.seated = None
         self.group = []
+        self.cancelled = set()
 
     def refused(self, call: Any, exc: type[BaseException]) -> None:
         counts, residents = self.coord.counts(), self.stepped.residents() if self.stepped else []
@@ -124,9 +142,9 @@ class SteppedMachine(RuleBasedStateMachine):
             assert [p.identity.resident for p in step.participants] == [founder]
             self.founder_reported = True
         else:
-            target, self.seated = self.seated, None
+            target = self.seated
             step = self.stepped.prefill(stepllm.ImmutablePrefillBatch(target=target))
-            assert [p.identity.resident for p in step.participants] == [target]
+            self.seated = (self.still_seated(step, [target]) or [None])[0]
         assert step.work == stepllm.SequenceWork.CONTEXT
         self.absorb(step)
 
@@ -168,9 +186,9 @@ class SteppedMachine(RuleBasedStateMachine):
     @precondition(lambda self: bool(self.group))
     @rule()
     def prefill_group(self) -> None:
-        group, self.group = self.group, []
+        group = self.group
         step = self.stepped.prefill_group(stepllm.ImmutablePrefillGroup(targets=group))
-        assert [p.identity.resident for p in step.participants] == group
+        self.group = self.still_seated(step, group)
         assert step.work == stepllm.SequenceWork.CONTEXT
         event(f"prefill group of {min(len(group), 3)}{'+' if len(group) > 3 else ''}")
         self.absorb(step)
@@ -183,11 +201,11 @@ class SteppedMachine(RuleBasedStateMachine):
         if not running:
             return
         chosen = data.draw(st.lists(st.sampled_from(running), min_size=1, unique=True))
-        group, self.group = self.group, []
+        group = self.group
         step = self.stepped.mixed(stepllm.ImmutableMixedBatch(residents=chosen, targets=group))
         assert step.work == stepllm.SequenceWork.MIXED
+        self.group = self.still_seated(step, group)
         works = {p.identity.resident: p.work for p in step.participants}
-        assert all(works[r] == stepllm.SequenceWork.CONTEXT for r in group)
         assert {r for r, w in works.items() if w == stepllm.SequenceWork.DECODE} <= set(chosen)
         event(f"mixed step: {min(len(chosen), 3)} decoding, {min(len(group), 3)} joining")
         self.absorb(step)
@@ -210,7 +228,9 @@ class SteppedMachine(RuleBasedStateMachine):
         residents = self.stepped.residents()
         if not residents:
             return
-        self.stepped.cancel(data.draw(st.sampled_from(residents)))
+        ref = data.draw(st.sampled_from(residents))
+        self.stepped.cancel(ref)
+        self.cancelled.add(ref)
 
     @rule(prompt=prompts, sampling=samplings)
     def abort(self, prompt: list[int], sampling: stepllm.SamplingParams) -> None:
@@ -298,6 +318,7 @@ class SteppedMachine(RuleBasedStateMachine):
             return
         residents = self.stepped.residents()
         assert len(residents) == len(set(residents)), residents
+        assert self.stepped.seated() == ([self.seated] if self.seated is not None else self.group)
         tracked = set(self.live)
         if not self.founder_reported:
             tracked.discard(self.stepped.founder())

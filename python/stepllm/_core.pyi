@@ -180,7 +180,9 @@ class StepResult:
     @property
     def step_id(self) -> int: ...
     @property
-    def participants(self) -> list[ScheduledSequenceDescriptor]: ...
+    def participants(self) -> list[ScheduledSequenceDescriptor]:
+        """The work this step computed, one descriptor per sequence: a decode token, or a prompt chunk
+        (query_length tokens after past_length). A cancelled sequence ends in `finished` without being scheduled."""
     @property
     def execution(self) -> StepExecution: ...
     @property
@@ -438,8 +440,9 @@ class Config:
     max_batch_size [8], kv_cache_tokens [16384], block_size [16], max_model_len [the model's
     max_position_embeddings; a longer one is refused when the runtime is built, unless
     STEPLLM_ALLOW_LONG_MAX_MODEL_LEN=1], context_cache [ContextCacheConfig()], parallel [ParallelConfig()], dtype [the device's: "f32" on the CPU,
-    "bf16" on CUDA], max_prefill_tokens [8192: the most prompt tokens the engine and dispatch_request prefill
-    together in one step; a longer prompt is prefilled alone]. dtype is how weight matrices are kept: "f32" (exact), "bf16" (half the memory traffic)
+    "bf16" on CUDA], max_prefill_tokens [8192: the most prompt tokens one step computes; the engine and
+    dispatch_request prefill prompts together up to it, and a longer prompt is computed in chunks of it over
+    several steps (chunked prefill) while running requests keep decoding in the same forwards]. dtype is how weight matrices are kept: "f32" (exact), "bf16" (half the memory traffic)
     or "int8" (per-row scales, a quarter; CPU only); the CPU computes in f32 whatever it is. kv_cache_dtype ["auto":
     bf16 on CUDA, f32 on the CPU] is how the KV cache stores K and V: "fp8" (e4m3, unscaled, CUDA only) halves its
     memory and the bytes every decode step reads, at 3 mantissa bits of precision. model None means
@@ -554,17 +557,24 @@ class SteppedRequest:
     def admit_intent(self, intent: AdmissionIntent) -> AdmissionResult: ...
     def admit(self, request: GenerationRequest, original_index: int, request_id: int) -> AdmissionResult:
         """build_intent then admit_intent; an ADMITTED ref's prefill must be the next operation."""
-    def prefill(self, batch: ImmutablePrefillBatch) -> StepResult: ...
+    def prefill(self, batch: ImmutablePrefillBatch) -> StepResult:
+        """Compute the seated target's prompt and sample its first token. A prompt longer than
+        Config.max_prefill_tokens takes one chunk per call: the target stays seated (seated()) and the step's
+        participant has select_last_token_logits False until the chunk that samples the first token."""
     def admit_intent_into_group(self, intent: AdmissionIntent) -> AdmissionResult: ...
     def admit_into_group(self, request: GenerationRequest, original_index: int, request_id: int) -> AdmissionResult:
         """Beyond the seed: like admit, but earlier admissions may still be waiting for their prefill; one
         prefill_group tick then computes every seated request in one forward (batched prefill)."""
     def prefill_group(self, group: ImmutablePrefillGroup) -> StepResult:
-        """Prefill the whole seated group; `group.targets` must list it exactly, in admission order."""
+        """Prefill the whole seated group; `group.targets` must list it exactly, in admission order. At most
+        Config.max_prefill_tokens prompt tokens are computed, in admission order; the rest stays seated."""
     def decode(self, batch: ImmutableDecodeBatch) -> StepResult: ...
     def mixed(self, batch: ImmutableMixedBatch) -> StepResult:
         """Decode batch.residents and prefill the seated group batch.targets in one forward (beyond the seed)."""
     def residents(self) -> list[ResidentRef]: ...
+    def seated(self) -> list[ResidentRef]:
+        """The seated sequences, in admission order, that the next prefill, prefill_group or mixed must name
+        (beyond the seed; after a chunk of a longer prompt, those not yet at their prompt's end)."""
     def materialize(self, result: BatchResult, stop_strings: Sequence[str] = ...) -> GenerationResponse: ...
     def finish(self) -> GenerationResponse:
         """Once, when nothing is resident: the founder's response. Closes the session."""

@@ -87,7 +87,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batch-size", type=int, default=8)
     p.add_argument("--kv-cache-tokens", type=int, default=16384)
     p.add_argument("--max-prefill-tokens", type=int, default=None,
-                   help="most prompt tokens prefilled together in one step (default: Config's, 8192)")
+                   help="most prompt tokens one step computes: prompts are prefilled together up to it, a longer "
+                        "one in chunks of it (default: Config's, 8192)")
     p.add_argument(
         "--dtype",
         default=None,

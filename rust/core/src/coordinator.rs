@@ -39,8 +39,9 @@ pub struct Config {
     pub device: String,
     /// Resident slots: the most sequences live at once.
     pub max_batch_size: usize,
-    /// Most prompt tokens the schedulers (engine, dispatch) prefill together in one step; a longer prompt is
-    /// prefilled alone.
+    /// Most prompt tokens one step computes. The schedulers (engine, dispatch) prefill prompts together up to it;
+    /// a longer prompt is computed in chunks of it over several steps (chunked prefill), while running requests
+    /// keep decoding in the same forwards.
     pub max_prefill_tokens: usize,
     /// KV cache budget in tokens (rounded up to whole blocks).
     pub kv_cache_tokens: usize,
@@ -249,6 +250,7 @@ impl RuntimeCoordinator {
             max_model_len,
             cache: config.context_cache.clone(),
             kv_cache_dtype: config.kv_cache_dtype,
+            max_prefill_tokens: config.max_prefill_tokens,
         };
         let info = ModelInfo {
             source,
@@ -428,8 +430,8 @@ impl RuntimeCoordinator {
 }
 
 /// FCFS: seat the queue's heads as one prefill group while capacity and the token budget allow, and prefill
-/// them (with a decode step of the running residents, when any run: `step_seated_group`); otherwise decode every
-/// resident.
+/// them (with a decode step of the running residents, when any run: `step_seated_group`), over several steps when
+/// a prompt is longer than the budget; otherwise decode every resident.
 fn run_batch(stepper: &StepperHandle, intents: Vec<AdmissionIntent>, max_prefill_tokens: usize) -> Result<Vec<GenerationResponse>> {
     let n = intents.len();
     let mut waiting: VecDeque<AdmissionIntent> = intents.into();
@@ -440,6 +442,12 @@ fn run_batch(stepper: &StepperHandle, intents: Vec<AdmissionIntent>, max_prefill
         }
     };
     while !waiting.is_empty() || !stepper.residents()?.is_empty() {
+        let seated = stepper.seated()?;
+        if !seated.is_empty() {
+            let step = step_seated_group(stepper, seated)?;
+            collect(&step, &mut responses);
+            continue;
+        }
         if !waiting.is_empty() {
             let mut rejected = Vec::new();
             let group = seat_prefill_group(stepper, &mut waiting, |i| i, max_prefill_tokens, |_, _| {}, |i, why| rejected.push((i, why)))?;

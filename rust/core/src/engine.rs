@@ -157,7 +157,7 @@ struct Actor {
     /// The request of each live resident, so a step's deltas find their streams without a scan.
     by_resident: HashMap<ResidentRef, RequestId>,
     stats: Arc<Mutex<EngineStats>>,
-    /// Token budget of one prefill group (Config::max_prefill_tokens).
+    /// Prompt tokens one step computes (Config::max_prefill_tokens).
     max_prefill_tokens: usize,
 }
 
@@ -205,8 +205,16 @@ impl Actor {
 
     /// One operation: seat the queue's heads as one prefill group when any fits, and prefill it in the same
     /// forward as a decode step of every running resident (a mixed step; a plain group prefill when none is
-    /// running), so running requests keep generating while new ones join; else decode every resident.
+    /// running), so running requests keep generating while new ones join; else decode every resident. A prompt
+    /// longer than `max_prefill_tokens` stays seated after its first chunk, and the next ticks compute the rest
+    /// (with the running residents' decode steps) before anything new is seated.
     fn tick(&mut self) -> Result<()> {
+        let seated = self.stepper.seated()?;
+        if !seated.is_empty() {
+            let step = step_seated_group(&self.stepper, seated)?;
+            self.deliver(step);
+            return Ok(());
+        }
         if !self.waiting.is_empty() {
             let (running, by_resident, stats) = (&mut self.running, &mut self.by_resident, &self.stats);
             let mut rejected = Vec::new();

@@ -11,7 +11,8 @@ use crate::text::stop::TextStream;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Phase {
-    /// Reserved and seated; its prefill must be the stepper's next operation.
+    /// Reserved and seated; its prefill must be the stepper's next operation. A prompt longer than a step's
+    /// budget (`StepperConfig::max_prefill_tokens`) stays seated over several prefill steps, one chunk each.
     Seated,
     /// Prefilled; takes part in decode steps.
     Running,
@@ -34,6 +35,9 @@ pub struct SequenceRow {
     pub extra_key: u64,
     /// Tokens whose K/V are in the cache.
     pub computed: usize,
+    /// Seated rows: where the prompt chunk of the current prefill step ends (`schedule_prompt_chunks`); the
+    /// chunk that reaches the prompt's end samples the first token.
+    pub prefill_end: usize,
     pub cached_prompt_tokens: usize,
     /// Output tokens already reported in deltas.
     pub watermark: usize,
@@ -59,6 +63,19 @@ impl SequenceRow {
 
     pub fn total_len(&self) -> usize {
         self.prompt_ids.len() + self.output_ids.len()
+    }
+
+    /// Whether this step samples a token for the row: a running row always, a seated one with its last chunk.
+    pub fn samples(&self) -> bool {
+        self.phase != Phase::Seated || self.prefill_end == self.prompt_ids.len()
+    }
+
+    /// The tokens this step computes for the row: its prompt chunk when seated, else its last token.
+    pub fn query(&self) -> &[u32] {
+        match self.phase {
+            Phase::Seated => &self.prompt_ids[self.computed..self.prefill_end],
+            Phase::Running => std::slice::from_ref(self.output_ids.last().expect("running rows have a token")),
+        }
     }
 
     /// Tokens past the watermark, and the text they completed; advances the watermark.

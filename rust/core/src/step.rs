@@ -78,6 +78,8 @@ pub struct StepResult {
     pub ok: bool,
     pub work: SequenceWork,
     pub step_id: StepId,
+    /// The work this step computed: a decode token, or a prompt chunk, per sequence. A cancelled sequence ends in
+    /// `finished` without being scheduled.
     pub participants: Vec<ScheduledSequenceDescriptor>,
     pub execution: StepExecution,
     pub deltas: Vec<(ResidentRef, TokenDelta)>,

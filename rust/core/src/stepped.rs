@@ -23,6 +23,8 @@ pub trait SteppedExecution {
     fn build_intent(&self, request: GenerationRequest, original_index: u32, request_id: RequestId) -> Result<AdmissionIntent>;
     /// Stages 2 and 3: reserve (refusable) and seat. An admitted sequence's prefill must be the next operation.
     fn admit(&mut self, intent: AdmissionIntent) -> Result<AdmissionResult>;
+    /// Compute the seated target's prompt and sample its first token. A prompt longer than
+    /// `Config::max_prefill_tokens` takes one chunk per call and stays seated until the last one.
     fn prefill(&mut self, batch: &ImmutablePrefillBatch) -> Result<StepResult>;
     /// Beyond the seed: admit while other admitted requests still wait for their prefill; one `prefill_group`
     /// tick then computes the whole seated group (admission order) in one forward.
@@ -47,6 +49,9 @@ pub trait SteppedExecution {
     /// Beyond the seed: decode the listed residents and prefill the seated group in one forward.
     fn mixed(&mut self, batch: &ImmutableMixedBatch) -> Result<StepResult>;
     fn residents(&self) -> Result<Vec<ResidentRef>>;
+    /// Beyond the seed: the seated sequences, in admission order, that the next prefill, prefill_group or mixed
+    /// step must name (after a chunk of a longer prompt, those not yet at their prompt's end).
+    fn seated(&self) -> Result<Vec<ResidentRef>>;
     fn materialize(&self, result: &BatchResult, stop_strings: &[String]) -> GenerationResponse;
     /// Once, when nothing is resident: the founder's response.
     fn finish(&mut self) -> Result<GenerationResponse>;
@@ -131,7 +136,16 @@ impl SteppedRequest {
             AdmissionStatus::NoCapacity => return protocol(format!("no capacity for the founder: {}", adm.reason.unwrap_or_default())),
             AdmissionStatus::Rejected => return Err(Error::InvalidRequest(adm.reason.unwrap_or_default())),
         };
-        let first = s.prefill(&ImmutablePrefillBatch { target: founder })?;
+        let founding = ImmutablePrefillBatch { target: founder };
+        let mut first = s.prefill(&founding)?;
+        // A founder prompt longer than max_prefill_tokens is computed one chunk per step; the session reports the
+        // step that sampled its first token, as having published if any of its chunks did.
+        let mut published = first.published_prefix;
+        while s.seated()?.contains(&founder) {
+            first = s.prefill(&founding)?;
+            published |= first.published_prefix;
+        }
+        first.published_prefix = published;
         Ok((founder, first))
     }
 
@@ -208,7 +222,7 @@ impl SteppedExecution for SteppedRequest {
     fn prefill(&mut self, batch: &ImmutablePrefillBatch) -> Result<StepResult> {
         self.ensure_open()?;
         let seated = self.stepper.seated()?;
-        if seated.is_none() {
+        if seated.is_empty() {
             if let FounderState::Unreported(_) = self.founder_state {
                 if batch.target != self.founder {
                     return protocol(format!(
@@ -255,6 +269,13 @@ impl SteppedExecution for SteppedRequest {
             live.insert(0, self.founder);
         }
         Ok(live)
+    }
+
+    fn seated(&self) -> Result<Vec<ResidentRef>> {
+        if self.closed {
+            return Ok(Vec::new());
+        }
+        self.stepper.seated()
     }
 
     fn materialize(&self, result: &BatchResult, stop_strings: &[String]) -> GenerationResponse {

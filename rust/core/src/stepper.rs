@@ -23,6 +23,7 @@ use crate::text::stop::TextStream;
 use crate::text::tokenizer::Tokenizer;
 
 mod forward;
+mod prompt_chunks;
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct StepperConfig {
@@ -32,6 +33,9 @@ pub struct StepperConfig {
     pub max_model_len: usize,
     pub cache: ContextCacheConfig,
     pub kv_cache_dtype: KvCacheDtype,
+    /// Most prompt tokens one step computes (Config::max_prefill_tokens): a longer prompt is computed in chunks
+    /// over several prefill (or mixed) steps and stays seated until the chunk that samples its first token.
+    pub max_prefill_tokens: usize,
 }
 
 pub struct RuntimeStepper {
@@ -43,7 +47,8 @@ pub struct RuntimeStepper {
     budget: BlockBudget,
     session: GenerationSession,
     /// The seated sequences, in admission order, whose prefill must be the next operation: one after `admit`
-    /// (the seed's protocol), one or more after `admit_into_group`.
+    /// (the seed's protocol), one or more after `admit_into_group`, and those whose prompts are not all computed
+    /// yet after a chunked prefill step.
     seated: Vec<ResidentRef>,
     next_step_id: StepId,
     unseeded_draws: u64,
@@ -91,9 +96,10 @@ impl RuntimeStepper {
         self.slots.live_refs()
     }
 
-    /// The first seated sequence (the only one, unless a group was seated).
-    pub fn seated(&self) -> Option<ResidentRef> {
-        self.seated.first().copied()
+    /// The seated sequences, in admission order: the targets the next prefill, prefill_group or mixed step must
+    /// name (empty when none is seated).
+    pub fn seated(&self) -> Vec<ResidentRef> {
+        self.seated.clone()
     }
 
     pub fn counts(&self) -> PoolCounts {
@@ -147,6 +153,7 @@ impl RuntimeStepper {
             logprobs: sampling.logprobs.map(|_| Vec::new()),
             sampling: intent.request.sampling,
             computed: lease.cached_tokens,
+            prefill_end: intent.prompt_ids.len(),
             cached_prompt_tokens: lease.cached_tokens,
             prompt_ids: intent.prompt_ids,
             output_ids: Vec::new(),
@@ -164,7 +171,8 @@ impl RuntimeStepper {
         Ok(AdmissionResult::admitted(resident))
     }
 
-    /// Compute the seated sequence's prompt and sample its first token.
+    /// Compute the seated sequence's prompt and sample its first token; a prompt longer than
+    /// `max_prefill_tokens` takes one chunk per call and stays seated until its last chunk.
     pub fn prefill(&mut self, batch: &ImmutablePrefillBatch) -> Result<StepResult> {
         let target = batch.target;
         self.slots.validate(target)?;
@@ -187,30 +195,29 @@ impl RuntimeStepper {
         self.prefill_seated()
     }
 
-    /// Compute the prompts of the whole seated group in one forward and sample each one's first token.
+    /// Compute the prompts of the whole seated group in one forward and sample each one's first token. At most
+    /// `max_prefill_tokens` prompt tokens are computed, in admission order: what is left stays seated.
     pub fn prefill_group(&mut self, group: &ImmutablePrefillGroup) -> Result<StepResult> {
         self.validate_group_targets("prefill_group", &group.targets)?;
         self.prefill_seated()
     }
 
-    /// One generated token for each listed resident and the seated group's prompts, in one forward: the
-    /// residents keep generating while the group joins. Both lists must be non-empty (a step with only one
-    /// kind of work is `decode` or `prefill_group`).
+    /// One generated token for each listed resident and the seated group's prompts (up to `max_prefill_tokens`
+    /// of them, as in `prefill_group`), in one forward: the residents keep generating while the group joins.
+    /// Both lists must be non-empty (a step with only one kind of work is `decode` or `prefill_group`).
     pub fn mixed(&mut self, batch: &ImmutableMixedBatch) -> Result<StepResult> {
         let started = Instant::now();
         self.validate_group_targets("a mixed step", &batch.targets)?;
         self.validate_decode_batch(&batch.residents)?;
         let targets = std::mem::take(&mut self.seated);
         let decoding = self.end_latched(&batch.residents)?;
+        let joining = self.end_latched(&targets)?;
+        let prefilling = self.schedule_prompt_chunks(&joining)?;
         let mut descriptors = self.decode_descriptors(&decoding);
-        descriptors.extend(self.prefill_descriptors(&targets)?);
-        let computing = [decoding.as_slice(), self.end_latched(&targets)?.as_slice()].concat();
+        descriptors.extend(self.prefill_descriptors(&prefilling)?);
+        let computing = [decoding.as_slice(), prefilling.as_slice()].concat();
         let (ok, timing) = self.compute(&computing, SequenceWork::Mixed)?;
-        let mut published = false;
-        for &r in &targets {
-            self.row_mut(r)?.phase = Phase::Running;
-            published |= self.publish_prefix(r, CommitPolicy::PrefillOnly)?;
-        }
+        let mut published = self.finish_prompt_chunks(&targets, &prefilling)?;
         if self.budget.cache.config().commit == CommitPolicy::IncludingGenerated {
             for &r in &decoding {
                 published |= self.publish_prefix(r, CommitPolicy::IncludingGenerated)?;
@@ -242,18 +249,15 @@ impl RuntimeStepper {
     fn prefill_seated(&mut self) -> Result<StepResult> {
         let targets = std::mem::take(&mut self.seated);
         let started = Instant::now();
-        let descriptors = self.prefill_descriptors(&targets)?;
-        // A step in which no sequence runs (all were cancelled) is not ok.
-        let computing = self.end_latched(&targets)?;
-        let (computed, timing) = self.compute(&computing, SequenceWork::Context)?;
-        let ok = computed && !computing.is_empty();
-        let mut published = false;
-        for &r in &targets {
-            self.row_mut(r)?.phase = Phase::Running;
-            published |= self.publish_prefix(r, CommitPolicy::PrefillOnly)?;
-        }
+        // Cancelled targets end now, unscheduled; a step in which no sequence runs is not ok.
+        let joining = self.end_latched(&targets)?;
+        let prefilling = self.schedule_prompt_chunks(&joining)?;
+        let descriptors = self.prefill_descriptors(&prefilling)?;
+        let (computed, timing) = self.compute(&prefilling, SequenceWork::Context)?;
+        let ok = computed && !prefilling.is_empty();
+        let published = self.finish_prompt_chunks(&targets, &prefilling)?;
         let tokens = descriptors.iter().map(|d| d.query_length).sum();
-        let clock = StepClock { rows: targets.len(), tokens, started, timing };
+        let clock = StepClock { rows: prefilling.len(), tokens, started, timing };
         self.commit(ok, SequenceWork::Context, descriptors, clock, published)
     }
 
@@ -273,23 +277,6 @@ impl RuntimeStepper {
         }
         let clock = StepClock { rows: computing.len(), tokens: computing.len(), started, timing };
         self.commit(ok, SequenceWork::Decode, descriptors, clock, published)
-    }
-
-    /// Each seated target's prompt work: its uncomputed prompt after what the cache held.
-    fn prefill_descriptors(&self, targets: &[ResidentRef]) -> Result<Vec<ScheduledSequenceDescriptor>> {
-        targets
-            .iter()
-            .map(|&r| {
-                let row = self.row(r)?;
-                Ok(ScheduledSequenceDescriptor {
-                    identity: row.identity,
-                    work: SequenceWork::Context,
-                    query_length: row.prompt_ids.len() - row.computed,
-                    past_length: row.computed,
-                    select_last_token_logits: true,
-                })
-            })
-            .collect()
     }
 
     /// Each validated resident's decode work: one token after what it has computed.
@@ -419,9 +406,10 @@ impl RuntimeStepper {
         Ok(computing)
     }
 
-    /// One forward over `refs` (a seated sequence's uncomputed prompt, a running one's last token), then a
-    /// sampled token accepted for each. A failed forward ends every one of them with the error; the bool says
-    /// whether the forward succeeded (true when there was nothing to compute).
+    /// One forward over `refs` (a seated sequence's prompt chunk, a running one's last token), then a sampled
+    /// token accepted for each that samples (all but seated rows short of their prompt's end). A failed forward
+    /// ends every one of them with the error; the bool says whether the forward succeeded (true when there was
+    /// nothing to compute).
     fn compute(&mut self, refs: &[ResidentRef], work: SequenceWork) -> Result<(bool, StepTiming)> {
         if refs.is_empty() {
             return Ok((true, StepTiming::default()));
@@ -432,18 +420,27 @@ impl RuntimeStepper {
         self.batch_scratch = batch;
         let timing = self.runner.last_step_timing();
         let result = match outcome {
-            Ok(sampled) => order
-                .iter()
-                .zip(sampled)
-                .try_for_each(|(r, s)| {
-                    let row = self.row_mut(*r)?;
-                    row.computed = match row.phase {
-                        Phase::Seated => row.prompt_ids.len(),
-                        _ => row.computed + 1,
-                    };
-                    self.accept_token(*r, s)
-                })
-                .map(|()| true),
+            Ok(sampled) => {
+                let mut sampled = sampled.into_iter();
+                order
+                    .iter()
+                    .try_for_each(|r| {
+                        let row = self.row_mut(*r)?;
+                        let samples = row.samples();
+                        row.computed = match row.phase {
+                            Phase::Seated => row.prefill_end,
+                            Phase::Running => row.computed + 1,
+                        };
+                        if !samples {
+                            return Ok(());
+                        }
+                        match sampled.next() {
+                            Some(s) => self.accept_token(*r, s),
+                            None => Err(Error::Internal("the forward sampled fewer rows than asked".into())),
+                        }
+                    })
+                    .map(|()| true)
+            }
             Err(ending) => refs.iter().try_for_each(|r| self.row_mut(*r).map(|row| row.ending = Some(ending.clone()))).map(|()| false),
         };
         self.order_scratch = order;

@@ -102,7 +102,8 @@ impl StepperHandle {
         }
     }
 
-    pub fn seated(&self) -> Result<Option<ResidentRef>> {
+    /// The seated sequences, in admission order (`RuntimeStepper::seated`).
+    pub fn seated(&self) -> Result<Vec<ResidentRef>> {
         match self {
             Self::Local(s) => Ok(lock(s).seated()),
             Self::Ranks(g) => match g.execute(RankCommand::Seated)? {

@@ -155,6 +155,7 @@ fn stepper(tok: &Arc<Tokenizer>, script: &Arc<Vec<u32>>, s: &Setup) -> RuntimeSt
         max_model_len: 1 << 20,
         cache: ContextCacheConfig { commit: s.commit, ..ContextCacheConfig::default() },
         kv_cache_dtype: KvCacheDtype::Auto,
+        max_prefill_tokens: usize::MAX,
     };
     let runner = NullRunner { config, script: Arc::clone(script) };
     RuntimeStepper::new(Box::new(runner), Arc::clone(tok), vec![EOS], cfg).unwrap()

@@ -86,7 +86,7 @@ fn the_mixed_step_refuses_misuse_and_changes_nothing() {
     assert!(refused(vec![a, b], vec![b, c]).contains("not prefilled"));
     assert!(refused(vec![a, a], vec![b, c]).contains("twice"));
     assert_eq!(coord.counts(), counts);
-    assert_eq!(stepper.seated().unwrap(), Some(b));
+    assert_eq!(stepper.seated().unwrap(), vec![b, c]);
     // The right batch still goes through; afterwards nothing is seated, so a second one is refused.
     stepper.mixed(&ImmutableMixedBatch { residents: vec![a], targets: vec![b, c] }).unwrap();
     assert!(refused(vec![a], vec![b, c]).contains("nothing is seated"));

@@ -36,7 +36,7 @@ fn a_group_prefill_gives_each_request_what_it_gets_alone() {
             .enumerate()
             .map(|(i, p)| stepper2.admit_into_group(greedy_intent(&coord, p, 6, i as u64 + 1)).unwrap().resident.unwrap())
             .collect();
-        assert_eq!(stepper2.seated().unwrap(), Some(targets[0]));
+        assert_eq!(stepper2.seated().unwrap(), targets);
         let step = stepper2.prefill_group(&ImmutablePrefillGroup { targets: targets.clone() }).unwrap();
         assert!(step.ok);
         assert_eq!(step.work, SequenceWork::Context);

@@ -1,5 +1,6 @@
 //! Property test: random admit / prefill / decode / cancel / abort / finish / bad-input sequences against the
-//! real stepper on a tiny model, checking ARCHITECTURE.md's invariants after every operation.
+//! real stepper on a tiny model, checking ARCHITECTURE.md's invariants after every operation. A step computes at
+//! most PREFILL_BUDGET prompt tokens, so longer prompts are prefilled in chunks and stay seated in between.
 //! PROPTEST_CASES sets the number of cases (CI runs 10,000).
 
 mod common;
@@ -91,6 +92,7 @@ struct Sut {
 
 const SLOTS: usize = 3;
 const KV_TOKENS: usize = 64;
+const PREFILL_BUDGET: usize = 8;
 
 impl Sut {
     fn counts(&self) -> PoolCounts {
@@ -181,7 +183,16 @@ impl Sut {
                     return self.expect_unchanged(before, r, "prefill with nothing seated");
                 };
                 let step = s.prefill(&ImmutablePrefillBatch { target }).unwrap();
-                assert_eq!(step.participants.len(), 1);
+                let ended = step.finished.iter().any(|(r, _)| *r == target);
+                // A cancelled target ends unscheduled; otherwise the step computed one chunk of its prompt.
+                assert_eq!(step.participants.len(), usize::from(step.ok), "{step:?}");
+                if let Some(chunk) = step.participants.first() {
+                    assert!(chunk.query_length <= PREFILL_BUDGET, "{chunk:?}");
+                    if !chunk.select_last_token_logits && !ended {
+                        assert!(step.deltas.is_empty(), "a chunk short of the prompt's end samples nothing");
+                        self.seated = Some(target);
+                    }
+                }
                 self.retire(step.finished.iter().map(|(r, _)| *r));
             }
             Op::PrefillOther(i) => {
@@ -224,6 +235,12 @@ impl Sut {
                 }
                 let step = r.unwrap();
                 self.seated = None;
+                let prompt_work: Vec<_> = step.participants.iter().filter(|d| targets.contains(&d.identity.resident)).collect();
+                assert!(prompt_work.iter().map(|d| d.query_length).sum::<usize>() <= PREFILL_BUDGET);
+                let ended = |r: &ResidentRef| step.finished.iter().any(|(f, _)| f == r);
+                if let Some(d) = prompt_work.iter().find(|d| !d.select_last_token_logits && !ended(&d.identity.resident)) {
+                    self.seated = Some(d.identity.resident);
+                }
                 let named = |r: &ResidentRef| chosen.contains(r) || targets.contains(r);
                 let finished: HashSet<_> = step.finished.iter().map(|(r, _)| *r).collect();
                 for (r, d) in &step.deltas {
@@ -280,6 +297,7 @@ impl Sut {
         assert_eq!(c.free_blocks + c.leased_blocks + c.cached_blocks, c.total_blocks);
         assert!(c.pinned_blocks <= c.cached_blocks + c.leased_blocks);
         if let Some(s) = &self.stepped {
+            assert_eq!(s.seated().unwrap(), self.seated.into_iter().collect::<Vec<_>>(), "seated() disagrees with the steps");
             let residents = s.residents().unwrap();
             let set: HashSet<_> = residents.iter().copied().collect();
             assert_eq!(set.len(), residents.len(), "a ref appears twice in residents()");
@@ -299,7 +317,9 @@ impl StateMachineTest for Sut {
     type Reference = Reference;
 
     fn init_test(_: &()) -> Self {
-        let coord = RuntimeCoordinator::new(common::small_config("llama", SLOTS, KV_TOKENS, 4)).unwrap();
+        let mut config = common::small_config("llama", SLOTS, KV_TOKENS, 4);
+        config.max_prefill_tokens = PREFILL_BUDGET;
+        let coord = RuntimeCoordinator::new(config).unwrap();
         Sut { coord, stepped: None, founder_reported: false, seated: None, live: HashSet::new(), dead: Vec::new(), next_id: 1 }
     }
 

@@ -262,6 +262,10 @@ impl PySteppedRequest {
         Ok(refs(&compute(py, || self.lock().residents())?))
     }
 
+    fn seated(&self, py: Python<'_>) -> PyResult<Vec<PyResidentRef>> {
+        Ok(refs(&compute(py, || self.lock().seated())?))
+    }
+
     /// The caller's response for a finished sequence, trimmed at `stop_strings`.
     #[pyo3(signature = (result, stop_strings=Vec::new()))]
     fn materialize(

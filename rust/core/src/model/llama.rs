@@ -274,6 +274,9 @@ impl<B: Backend> LlamaModel<B> {
             // logits: a later host wait could otherwise block on a rank that already failed.
             tp.hooks.settle(&self.backend)?;
         }
+        if batch.logits_for.is_empty() {
+            return Ok(Vec::new()); // a prompt chunk short of its prompt's end: only its K/V were wanted
+        }
         self.logits()
     }
 }

@@ -47,7 +47,7 @@ pub enum RankReply {
     Step(StepResult),
     Done,
     Residents(Vec<ResidentRef>),
-    Seated(Option<ResidentRef>),
+    Seated(Vec<ResidentRef>),
     Counts(PoolCounts),
     Aborted(Vec<(ResidentRef, BatchResult)>),
     CachedTokens(usize),

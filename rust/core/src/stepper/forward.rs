@@ -10,8 +10,9 @@ use crate::step::SequenceWork;
 use super::RuntimeStepper;
 
 impl RuntimeStepper {
-    /// The ragged batch: each sequence's uncomputed tokens, their positions and its block table. It is built in
-    /// the previous step's batch (`batch_scratch`, handed back after the forward) to reuse its allocations.
+    /// The ragged batch: each sequence's tokens of this step (`SequenceRow::query`), their positions and its
+    /// block table, and the logits of the rows that sample. It is built in the previous step's batch
+    /// (`batch_scratch`, handed back after the forward) to reuse its allocations.
     pub(super) fn plan_forward(&mut self, refs: &[ResidentRef]) -> ForwardBatch {
         let mut fb = std::mem::take(&mut self.batch_scratch);
         fb.tokens.clear();
@@ -20,10 +21,7 @@ impl RuntimeStepper {
         fb.seqs.truncate(refs.len());
         for (i, r) in refs.iter().enumerate() {
             let row = self.session.get(*r).expect("validated");
-            let query: &[u32] = match row.phase {
-                Phase::Seated => &row.prompt_ids[row.computed..],
-                _ => std::slice::from_ref(row.output_ids.last().expect("running rows have a token")),
-            };
+            let query = row.query();
             let start = fb.tokens.len();
             fb.tokens.extend_from_slice(query);
             fb.positions.extend((row.computed..row.computed + query.len()).map(|p| p as u32));
@@ -37,7 +35,9 @@ impl RuntimeStepper {
             seq.past_len = row.computed;
             seq.block_table.clear();
             seq.block_table.extend_from_slice(&row.lease.blocks[..needed_blocks]);
-            fb.logits_for.push(start + query.len() - 1);
+            if row.samples() {
+                fb.logits_for.push(start + query.len() - 1);
+            }
         }
         fb
     }
@@ -77,12 +77,14 @@ impl RuntimeStepper {
         order
     }
 
-    /// Forward then sample every row; an Err carries the ending that every participant latches.
+    /// Forward then sample every row that samples (`SequenceRow::samples`), in order; an Err carries the ending
+    /// that every participant latches.
     pub(super) fn run_and_sample(&mut self, fb: &ForwardBatch, refs: &[ResidentRef]) -> std::result::Result<Vec<Sampled>, Ending> {
         let ctxs: Vec<RowContext> = refs
             .iter()
-            .map(|r| {
-                let row = self.session.get(*r).expect("validated");
+            .map(|r| self.session.get(*r).expect("validated"))
+            .filter(|row| row.samples())
+            .map(|row| {
                 RowContext {
                     params: &row.sampling,
                     prompt_ids: &row.prompt_ids,
