@@ -12,7 +12,7 @@ use crate::model::{Checkpoint, Device, LoadProgress, LoadedModel, WeightDtype};
 use crate::request::{FinishReason, GenerationRequest, GenerationResponse, Prompt};
 use crate::state::context_cache::ContextCacheConfig;
 use crate::state::PoolCounts;
-use crate::prefill_group::{seat_prefill_group, step_seated_group, DEFAULT_MAX_PREFILL_TOKENS};
+use crate::prefill_group::{left_prompts_seated, seat_prefill_group, step_seated_group, DEFAULT_MAX_PREFILL_TOKENS};
 use crate::step::{AdmissionIntent, ImmutableDecodeBatch, StepResult};
 use crate::parallel::rank::{RankCommand, RankGroup, RankReply};
 use crate::stepped::{materialize, SteppedRequest};
@@ -436,16 +436,19 @@ fn run_batch(stepper: &StepperHandle, intents: Vec<AdmissionIntent>, max_prefill
     let n = intents.len();
     let mut waiting: VecDeque<AdmissionIntent> = intents.into();
     let mut responses: Vec<Option<GenerationResponse>> = (0..n).map(|_| None).collect();
+    // Whether the last step left a prompt seated short of its end (chunked prefill): the next step goes on with it.
+    let mut prompts_seated = false;
     let collect = |step: &StepResult, responses: &mut Vec<Option<GenerationResponse>>| {
         for (_, batch) in &step.finished {
             responses[batch.identity.original_index as usize] = Some(materialize(batch, &[]));
         }
+        left_prompts_seated(step)
     };
     while !waiting.is_empty() || !stepper.residents()?.is_empty() {
-        let seated = stepper.seated()?;
+        let seated = if prompts_seated { stepper.seated()? } else { Vec::new() };
         if !seated.is_empty() {
             let step = step_seated_group(stepper, seated)?;
-            collect(&step, &mut responses);
+            prompts_seated = collect(&step, &mut responses);
             continue;
         }
         if !waiting.is_empty() {
@@ -456,7 +459,7 @@ fn run_batch(stepper: &StepperHandle, intents: Vec<AdmissionIntent>, max_prefill
             }
             if !group.targets.is_empty() {
                 let step = step_seated_group(stepper, group.targets)?;
-                collect(&step, &mut responses);
+                prompts_seated = collect(&step, &mut responses);
                 continue;
             }
             if let Some(why) = group.head_refused {
@@ -469,7 +472,7 @@ fn run_batch(stepper: &StepperHandle, intents: Vec<AdmissionIntent>, max_prefill
         let residents = stepper.residents()?;
         if !residents.is_empty() {
             let step = stepper.decode(&ImmutableDecodeBatch { residents })?;
-            collect(&step, &mut responses);
+            prompts_seated = collect(&step, &mut responses);
         }
     }
     Ok(responses.into_iter().map(|r| r.expect("every request finished")).collect())

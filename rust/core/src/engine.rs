@@ -13,7 +13,7 @@ use crate::ids::{RequestId, ResidentRef};
 use crate::intent::IntentBuilder;
 use crate::request::{FinishReason, GenerationRequest, GenerationResponse};
 use crate::state::PoolCounts;
-use crate::prefill_group::{seat_prefill_group, step_seated_group};
+use crate::prefill_group::{left_prompts_seated, seat_prefill_group, step_seated_group};
 use crate::step::{AdmissionIntent, ImmutableDecodeBatch, StepResult, TokenDelta};
 use crate::stepped::materialize;
 use crate::stepper_handle::StepperHandle;
@@ -77,6 +77,7 @@ impl RequestEngine {
             by_resident: HashMap::new(),
             stats: Arc::clone(&stats),
             max_prefill_tokens: coordinator.info().max_prefill_tokens,
+            prompts_seated: false,
         };
         let thread = std::thread::Builder::new()
             .name("stepllm-engine".into())
@@ -159,6 +160,9 @@ struct Actor {
     stats: Arc<Mutex<EngineStats>>,
     /// Prompt tokens one step computes (Config::max_prefill_tokens).
     max_prefill_tokens: usize,
+    /// Whether the last step left a prompt seated short of its end (chunked prefill), so the next tick goes on
+    /// with it.
+    prompts_seated: bool,
 }
 
 impl Actor {
@@ -209,11 +213,13 @@ impl Actor {
     /// longer than `max_prefill_tokens` stays seated after its first chunk, and the next ticks compute the rest
     /// (with the running residents' decode steps) before anything new is seated.
     fn tick(&mut self) -> Result<()> {
-        let seated = self.stepper.seated()?;
-        if !seated.is_empty() {
-            let step = step_seated_group(&self.stepper, seated)?;
-            self.deliver(step);
-            return Ok(());
+        if self.prompts_seated {
+            let seated = self.stepper.seated()?;
+            if !seated.is_empty() {
+                let step = step_seated_group(&self.stepper, seated)?;
+                self.deliver(step);
+                return Ok(());
+            }
         }
         if !self.waiting.is_empty() {
             let (running, by_resident, stats) = (&mut self.running, &mut self.by_resident, &self.stats);
@@ -250,6 +256,7 @@ impl Actor {
     }
 
     fn deliver(&mut self, step: StepResult) {
+        self.prompts_seated = left_prompts_seated(&step);
         let mut gone = Vec::new();
         let mut generated = 0u64;
         for (r, delta) in step.deltas {

@@ -8,7 +8,7 @@ use std::collections::{HashSet, VecDeque};
 
 use crate::error::Result;
 use crate::ids::ResidentRef;
-use crate::step::{AdmissionIntent, AdmissionStatus, ImmutableMixedBatch, ImmutablePrefillGroup, StepResult};
+use crate::step::{AdmissionIntent, AdmissionStatus, ImmutableMixedBatch, ImmutablePrefillGroup, SequenceWork, StepResult};
 use crate::stepper_handle::StepperHandle;
 
 /// Default of `Config::max_prefill_tokens`: vLLM's default step budget for chunked prefill.
@@ -61,6 +61,13 @@ pub fn seat_prefill_group<T>(
         }
     }
     Ok(group)
+}
+
+/// Whether `step` computed a prompt chunk short of its prompt's end: its sequence stays seated, and the next step
+/// must go on with the seated group (`StepperHandle::seated`). Lets a scheduler ask the stepper only then: under
+/// tensor parallelism every question is a round trip to the ranks.
+pub fn left_prompts_seated(step: &StepResult) -> bool {
+    step.participants.iter().any(|d| d.work == SequenceWork::Context && !d.select_last_token_logits)
 }
 
 /// Compute a seated group (`targets`, in admission order): in the same forward as one decode step of every
