@@ -296,8 +296,9 @@ impl RuntimeStepper {
             .collect()
     }
 
-    /// Compute a prompt's full blocks and pin them in the context cache (system prompts). No slot is used;
-    /// the blocks' leases are dropped again, so only the pinned cache records remain.
+    /// Compute a prompt's full blocks and pin them in the context cache (system prompts), in forwards of at most
+    /// `max_prefill_tokens` tokens each, as any prompt. No slot is used; the blocks' leases are dropped again, so
+    /// only the pinned cache records remain.
     pub fn save_pinned_prefix(&mut self, prompt_ids: &[u32]) -> Result<usize> {
         self.refuse_if_seated("saving a system prompt")?;
         let bs = self.config.block_size;
@@ -314,14 +315,20 @@ impl RuntimeStepper {
             Reservation::Granted(lease) => lease,
             Reservation::NoCapacity(why) | Reservation::Rejected(why) => return protocol(format!("cannot cache the system prompt now: {why}")),
         };
-        let past = lease.cached_tokens;
-        let fb = ForwardBatch {
-            tokens: tokens[past..].to_vec(),
-            positions: (past..full).map(|p| p as u32).collect(),
-            seqs: vec![SeqSlice { start: 0, len: full - past, past_len: past, block_table: lease.blocks.clone() }],
-            logits_for: vec![full - past - 1],
-        };
-        let ran = self.runner.forward(&fb);
+        let mut ran = Ok(Vec::new());
+        let mut past = lease.cached_tokens;
+        while past < full && ran.is_ok() {
+            // Only the K/V are wanted: no logits.
+            let end = full.min(past + self.config.max_prefill_tokens);
+            let fb = ForwardBatch {
+                tokens: tokens[past..end].to_vec(),
+                positions: (past..end).map(|p| p as u32).collect(),
+                seqs: vec![SeqSlice { start: 0, len: end - past, past_len: past, block_table: lease.blocks[..end.div_ceil(bs)].to_vec() }],
+                logits_for: Vec::new(),
+            };
+            ran = self.runner.forward(&fb);
+            past = end;
+        }
         if ran.is_ok() {
             self.budget.publish_computed(tokens, &[], &mut lease, full, key, true);
         }

@@ -230,3 +230,19 @@ fn the_engine_chunks_a_long_prompt_while_running_requests_keep_generating() {
     assert_eq!(engine.stats().steps, 60, "one tick per token of the running request: every chunk rode a decode step");
     engine.shutdown();
 }
+
+/// A system prompt saved to the cache is computed in chunks of the budget as well; a request after it hits its
+/// blocks and gets what it gets with nothing cached.
+#[test]
+fn a_system_prompt_is_computed_in_chunks_too() {
+    use stepllm_core::request::Prompt;
+    let system: Vec<u32> = (0..26).map(|i| (i * 17 + 9) % 400).collect();
+    let coord = chunked_coordinator("llama", 1);
+    assert_eq!(coord.gen_and_save_system_prompt_kv_cache(Prompt::TokenIds(system.clone())).unwrap(), 24);
+    assert_eq!(coord.counts().pinned_blocks, 6);
+    let mut prompt = system.clone();
+    prompt.extend([3, 4, 5]);
+    let hit = coord.dispatch_request(vec![greedy_ids(&prompt, MAX_TOKENS)]).unwrap().remove(0);
+    assert_eq!(hit.cached_prompt_tokens, 24);
+    assert_eq!(hit.output_ids, whole("llama", &prompt, MAX_TOKENS));
+}
