@@ -467,6 +467,22 @@ def test_gpu_prefix_cache_hit_equals_miss(models_dir: Path) -> None:
     assert_released(coord)
 
 
+def test_gpu_system_prompt_saved_in_chunks_is_hit(models_dir: Path) -> None:
+    """A system prompt of 200 tokens saved with max_prefill_tokens=64 is computed in four forwards that ask no
+    logits; a request that starts with it hits its 12 full blocks and agrees with the same request run with
+    nothing cached (greedy ids until a near-tie, log-probabilities within the bf16 tolerance)."""
+    path = gpu_models.make("qwen3", models_dir)
+    system = [(13 * i + 7) % 997 + 2 for i in range(200)]
+    request = stepllm.GenerationRequest(system + PROMPT[:9], greedy(12, logprobs=2))
+    miss = run_alone(coordinator(path, "cuda", graphs=True), request)
+    coord = coordinator(path, "cuda", graphs=True, max_prefill_tokens=64)
+    assert coord.gen_and_save_system_prompt_kv_cache(system) == 192
+    hit = run_alone(coord, request)
+    assert (miss.cached_prompt_tokens, hit.cached_prompt_tokens) == (0, 192)
+    assert_logprobs_agree_until_near_tie(hit.logprobs, miss.logprobs, "system prompt hit")
+    assert_released(coord)
+
+
 def test_gpu_cancel_and_abort_release_everything(models_dir: Path) -> None:
     path = gpu_models.make("smollm2", models_dir)
     coord = coordinator(path, "cuda", graphs=True)
