@@ -82,15 +82,18 @@ impl RuntimeStepper {
     pub(super) fn run_and_sample(&mut self, fb: &ForwardBatch, refs: &[ResidentRef]) -> std::result::Result<Vec<Sampled>, Ending> {
         // Sized for every row up front: a filtered iterator would grow the Vec a few times each tick.
         let mut ctxs: Vec<RowContext> = Vec::with_capacity(refs.len());
-        ctxs.extend(refs.iter().map(|r| self.session.get(*r).expect("validated")).filter(|row| row.samples()).map(|row| {
-            RowContext {
-                params: &row.sampling,
-                prompt_ids: &row.prompt_ids,
-                output_ids: &row.output_ids,
-                position: row.total_len() as u64,
-                seed: row.seed,
+        for r in refs {
+            let row = self.session.get(*r).expect("validated");
+            if row.samples() {
+                ctxs.push(RowContext {
+                    params: &row.sampling,
+                    prompt_ids: &row.prompt_ids,
+                    output_ids: &row.output_ids,
+                    position: row.total_len() as u64,
+                    seed: row.seed,
+                });
             }
-        }));
+        }
         self.runner.forward_and_sample(fb, &ctxs).map_err(|e| Ending {
             reason: FinishReason::Error,
             stop_reason: None,
