@@ -148,9 +148,20 @@ class SteppedMachine(RuleBasedStateMachine):
         assert step.work == stepllm.SequenceWork.CONTEXT
         self.absorb(step)
 
-    @precondition(lambda self: self.founder_reported and self.seated is None and not self.group)
+    def idle_between_steps(self) -> bool:
+        """No prefill is due: the founder's first token is reported and nothing is seated."""
+        return self.founder_reported and self.seated is None and not self.group
+
+    # Rules that only apply between steps are not preconditioned on it: otherwise, while a chunked prompt stays
+    # seated over several steps, most rules are disabled and hypothesis gives up drawing one. Out of turn, they
+    # must be refused with nothing changed.
+
     @rule(prompt=prompts, sampling=samplings, budget=st.sampled_from(["as drawn", "tight", "never"]))
     def admit(self, prompt: list[int], sampling: stepllm.SamplingParams, budget: str) -> None:
+        if not self.idle_between_steps():
+            request = self.request(prompt, sampling)
+            self.refused(lambda: self.stepped.admit(request, original_index=0, request_id=97), stepllm.ProtocolError)
+            return
         if budget == "tight":  # fits an idle pool only: NO_CAPACITY while others hold blocks
             sampling = stepllm.SamplingParams(max_tokens=KV_TOKENS - len(prompt) - 1, temperature=0.0)
         elif budget == "never":  # within the context length but beyond the whole KV pool: REJECTED
@@ -210,10 +221,13 @@ class SteppedMachine(RuleBasedStateMachine):
         event(f"mixed step: {min(len(chosen), 3)} decoding, {min(len(group), 3)} joining")
         self.absorb(step)
 
-    @precondition(lambda self: self.founder_reported and self.seated is None and not self.group)
     @rule(data=st.data())
     def decode(self, data: st.DataObject) -> None:
         residents = self.stepped.residents()
+        if not self.idle_between_steps():
+            if residents:
+                self.refused(lambda: self.stepped.decode(stepllm.ImmutableDecodeBatch(residents=residents[:1])), stepllm.ProtocolError)
+            return
         if not residents:
             return
         chosen = data.draw(st.lists(st.sampled_from(residents), min_size=1, unique=True))
@@ -239,10 +253,9 @@ class SteppedMachine(RuleBasedStateMachine):
         self.closed()
         self.open_session(prompt, sampling)
 
-    @precondition(lambda self: self.founder_reported and self.seated is None and not self.group)
     @rule(prompt=prompts, sampling=samplings)
     def finish(self, prompt: list[int], sampling: stepllm.SamplingParams) -> None:
-        if self.stepped.residents():
+        if not self.idle_between_steps() or self.stepped.residents():
             self.refused(self.stepped.finish, stepllm.ProtocolError)
             return
         response = self.stepped.finish()
