@@ -231,6 +231,18 @@ def test_admission_intent_then_admit() -> None:
     stepped.abort()
 
 
+def decode_to_the_end_as_the_reference(stepped: stepllm.SteppedRequest, rows: list[dict]) -> None:
+    """Decode every resident to its end: the founder (rows[0]) and the request of each later row i (request id
+    i + 1) must give the transformers reference's greedy ids."""
+    outputs = {}
+    while stepped.residents():
+        for ref, result in stepped.decode(stepllm.ImmutableDecodeBatch(residents=stepped.residents())).finished:
+            outputs[result.identity.request_id] = result.output_ids
+    assert stepped.finish().output_ids == rows[0]["greedy_ids"]
+    for i, row in enumerate(rows[1:], start=1):
+        assert outputs[i + 1] == row["greedy_ids"], i
+
+
 def test_stepped_group_prefill_gives_what_each_request_gets_alone() -> None:
     rows = expected("qwen2")["rows"]
     coord = coordinator("qwen2")
@@ -259,13 +271,7 @@ def test_stepped_group_prefill_gives_what_each_request_gets_alone() -> None:
     step = stepped.prefill_group(group)
     assert step.ok and step.work == stepllm.SequenceWork.CONTEXT and step.execution.rows == len(refs)
     assert [p.identity.resident for p in step.participants] == refs
-    outputs = {}
-    while stepped.residents():
-        for ref, result in stepped.decode(stepllm.ImmutableDecodeBatch(residents=stepped.residents())).finished:
-            outputs[result.identity.request_id] = result.output_ids
-    assert stepped.finish().output_ids == rows[0]["greedy_ids"]
-    for i, row in enumerate(rows[1:], start=1):
-        assert outputs[i + 1] == row["greedy_ids"], i
+    decode_to_the_end_as_the_reference(stepped, rows)
 
 
 def test_stepped_mixed_step_decodes_the_running_while_the_group_joins() -> None:
@@ -292,13 +298,7 @@ def test_stepped_mixed_step_decodes_the_running_while_the_group_joins() -> None:
     assert step.ok and step.work == stepllm.SequenceWork.MIXED and step.execution.rows == 1 + len(refs)
     works = [(p.identity.resident, p.work) for p in step.participants]
     assert works == [(founder, stepllm.SequenceWork.DECODE)] + [(r, stepllm.SequenceWork.CONTEXT) for r in refs]
-    outputs = {}
-    while stepped.residents():
-        for ref, result in stepped.decode(stepllm.ImmutableDecodeBatch(residents=stepped.residents())).finished:
-            outputs[result.identity.request_id] = result.output_ids
-    assert stepped.finish().output_ids == rows[0]["greedy_ids"]
-    for i, row in enumerate(rows[1:], start=1):
-        assert outputs[i + 1] == row["greedy_ids"], i
+    decode_to_the_end_as_the_reference(stepped, rows)
 
 
 def test_stepped_prompts_longer_than_the_budget_are_prefilled_in_chunks() -> None:
@@ -326,13 +326,7 @@ def test_stepped_prompts_longer_than_the_budget_are_prefilled_in_chunks() -> Non
         chunks.append([(refs.index(p.identity.resident), p.query_length, p.select_last_token_logits) for p in prompt_work])
     assert chunks == [[(0, 3, True), (1, 2, False)], [(1, 5, False)], [(1, 5, True)], [(2, 5, False)],
                       [(2, 5, False)], [(2, 5, False)], [(2, 5, False)], [(2, 1, True)]]
-    outputs = {}
-    while stepped.residents():
-        for ref, result in stepped.decode(stepllm.ImmutableDecodeBatch(residents=stepped.residents())).finished:
-            outputs[result.identity.request_id] = result.output_ids
-    assert stepped.finish().output_ids == rows[0]["greedy_ids"]
-    for i, row in enumerate(rows[1:], start=1):
-        assert outputs[i + 1] == row["greedy_ids"], i
+    decode_to_the_end_as_the_reference(stepped, rows)
 
 
 def test_stepped_session_usable_from_threads_and_releases_the_gil() -> None:

@@ -12,7 +12,7 @@ use crate::model::{Checkpoint, Device, LoadProgress, LoadedModel, WeightDtype};
 use crate::request::{FinishReason, GenerationRequest, GenerationResponse, Prompt};
 use crate::state::context_cache::ContextCacheConfig;
 use crate::state::PoolCounts;
-use crate::prefill_group::{left_prompts_seated, seat_prefill_group, step_seated_group, DEFAULT_MAX_PREFILL_TOKENS};
+use crate::prefill_group::{continue_seated_prompts, left_prompts_seated, seat_prefill_group, step_seated_group, DEFAULT_MAX_PREFILL_TOKENS};
 use crate::step::{AdmissionIntent, ImmutableDecodeBatch, StepResult};
 use crate::parallel::rank::{RankCommand, RankGroup, RankReply};
 use crate::stepped::{materialize, SteppedRequest};
@@ -445,9 +445,7 @@ fn run_batch(stepper: &StepperHandle, intents: Vec<AdmissionIntent>, max_prefill
         left_prompts_seated(step)
     };
     while !waiting.is_empty() || !stepper.residents()?.is_empty() {
-        let seated = if prompts_seated { stepper.seated()? } else { Vec::new() };
-        if !seated.is_empty() {
-            let step = step_seated_group(stepper, seated)?;
+        if let Some(step) = continue_seated_prompts(stepper, prompts_seated)? {
             prompts_seated = collect(&step, &mut responses);
             continue;
         }

@@ -13,7 +13,7 @@ use crate::ids::{RequestId, ResidentRef};
 use crate::intent::IntentBuilder;
 use crate::request::{FinishReason, GenerationRequest, GenerationResponse};
 use crate::state::PoolCounts;
-use crate::prefill_group::{left_prompts_seated, seat_prefill_group, step_seated_group};
+use crate::prefill_group::{continue_seated_prompts, left_prompts_seated, seat_prefill_group, step_seated_group};
 use crate::step::{AdmissionIntent, ImmutableDecodeBatch, StepResult, TokenDelta};
 use crate::stepped::materialize;
 use crate::stepper_handle::StepperHandle;
@@ -213,13 +213,9 @@ impl Actor {
     /// longer than `max_prefill_tokens` stays seated after its first chunk, and the next ticks compute the rest
     /// (with the running residents' decode steps) before anything new is seated.
     fn tick(&mut self) -> Result<()> {
-        if self.prompts_seated {
-            let seated = self.stepper.seated()?;
-            if !seated.is_empty() {
-                let step = step_seated_group(&self.stepper, seated)?;
-                self.deliver(step);
-                return Ok(());
-            }
+        if let Some(step) = continue_seated_prompts(&self.stepper, self.prompts_seated)? {
+            self.deliver(step);
+            return Ok(());
         }
         if !self.waiting.is_empty() {
             let (running, by_resident, stats) = (&mut self.running, &mut self.by_resident, &self.stats);

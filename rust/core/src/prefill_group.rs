@@ -70,6 +70,19 @@ pub fn left_prompts_seated(step: &StepResult) -> bool {
     step.participants.iter().any(|d| d.work == SequenceWork::Context && !d.select_last_token_logits)
 }
 
+/// The step that goes on with the seated group when the last step left a prompt short of its end
+/// (`left_prompts_seated`); None when it did not, or nothing is seated any more.
+pub fn continue_seated_prompts(stepper: &StepperHandle, left_seated: bool) -> Result<Option<StepResult>> {
+    if !left_seated {
+        return Ok(None);
+    }
+    let seated = stepper.seated()?;
+    if seated.is_empty() {
+        return Ok(None);
+    }
+    step_seated_group(stepper, seated).map(Some)
+}
+
 /// Compute a seated group (`targets`, in admission order): in the same forward as one decode step of every
 /// running resident when any is running (a mixed step), so running requests keep generating while the group
 /// joins; alone otherwise.

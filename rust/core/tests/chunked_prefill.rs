@@ -39,10 +39,6 @@ fn chunk_of(step: &StepResult, r: ResidentRef) -> (usize, usize, bool) {
     (d.query_length, d.past_length, d.select_last_token_logits)
 }
 
-fn delta_of(step: &StepResult, r: ResidentRef) -> Option<Vec<u32>> {
-    step.deltas.iter().find(|(d, _)| *d == r).map(|(_, d)| d.token_ids.to_vec())
-}
-
 #[test]
 fn a_long_prompt_is_prefilled_in_chunks_and_gets_what_it_gets_whole() {
     let prompt = long_prompt();
@@ -110,10 +106,8 @@ fn a_group_shares_the_budget_in_admission_order() {
             vec![(7, 6, true)],
         ]
     );
-    let outputs = decode_to_the_end(stepper);
-    for (i, p) in prompts.iter().enumerate() {
-        assert_eq!(outputs[&(i as u64 + 1)], whole("llama", p, MAX_TOKENS), "request {i}");
-    }
+    let want: Vec<_> = prompts.iter().map(|p| whole("llama", p, MAX_TOKENS)).collect();
+    decode_to_the_end_as(stepper, &want, "group");
     assert_idle(&coord);
 }
 
@@ -136,9 +130,7 @@ fn running_requests_decode_in_every_chunk_of_a_mixed_step() {
             assert_eq!(delta_of(&step, b).is_some(), chunk_of(&step, b).2, "TP={tp}");
         }
         assert_eq!(a_tokens, 7, "TP={tp}: six chunks");
-        let outputs = decode_to_the_end(stepper);
-        assert_eq!(outputs[&1], whole("qwen3", &short, 20), "TP={tp}");
-        assert_eq!(outputs[&2], whole("qwen3", &prompt, MAX_TOKENS), "TP={tp}");
+        decode_to_the_end_as(stepper, &[whole("qwen3", &short, 20), whole("qwen3", &prompt, MAX_TOKENS)], &format!("TP={tp}"));
         assert_idle(&coord);
     }
 }

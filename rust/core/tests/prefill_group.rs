@@ -44,13 +44,9 @@ fn a_group_prefill_gives_each_request_what_it_gets_alone() {
         assert_eq!(step.execution.rows, 3);
         assert_eq!(step.execution.tokens, 13 + 5 + 21);
         for (i, r) in targets.iter().enumerate() {
-            let delta = step.deltas.iter().find(|(d, _)| d == r).expect("every target gets its first token");
-            assert_eq!(delta.1.token_ids.as_slice(), &[alone[i][0]], "{name}: first token of request {i}");
+            assert_eq!(delta_of(&step, *r), Some(vec![alone[i][0]]), "{name}: first token of request {i}");
         }
-        let outputs = decode_to_the_end(stepper2);
-        for (i, a) in alone.iter().enumerate() {
-            assert_eq!(&outputs[&(i as u64 + 1)], a, "{name}: request {i}");
-        }
+        decode_to_the_end_as(stepper2, &alone, name);
         assert_idle(&coord);
     }
 }

@@ -8,7 +8,8 @@ use stepllm_core::backend::KvCacheDtype;
 use stepllm_core::model::{load_model, Device, ForwardBatch, LoadedModel, ModelConfig, ModelRunner, StepTiming};
 use stepllm_core::sampling::{RowContext, Sampled};
 use stepllm_core::request::{GenerationRequest, Prompt, SamplingParams};
-use stepllm_core::step::{AdmissionIntent, ImmutableDecodeBatch};
+use stepllm_core::ids::ResidentRef;
+use stepllm_core::step::{AdmissionIntent, ImmutableDecodeBatch, StepResult};
 use stepllm_core::stepper_handle::StepperHandle;
 
 pub fn fixture_dir(name: &str) -> PathBuf {
@@ -158,6 +159,19 @@ pub fn assert_idle(coord: &RuntimeCoordinator) {
     assert_eq!(c.free_slots, c.slot_capacity);
     assert_eq!(c.leased_blocks, 0);
     assert_eq!(c.free_blocks + c.leased_blocks + c.cached_blocks, c.total_blocks);
+}
+
+/// The token ids of `r`'s delta in `step`, if it got one.
+pub fn delta_of(step: &StepResult, r: ResidentRef) -> Option<Vec<u32>> {
+    step.deltas.iter().find(|(d, _)| *d == r).map(|(_, d)| d.token_ids.to_vec())
+}
+
+/// Decode every resident to its end: request id `i + 1` must give `want[i]`.
+pub fn decode_to_the_end_as(stepper: &StepperHandle, want: &[Vec<u32>], what: &str) {
+    let outputs = decode_to_the_end(stepper);
+    for (i, w) in want.iter().enumerate() {
+        assert_eq!(&outputs[&(i as u64 + 1)], w, "{what}: request {i}");
+    }
 }
 
 /// Decode every resident until none is left; returns each finished request's output ids by request id.
