@@ -34,17 +34,6 @@
 // uses at most this many even if gridDim.z is larger.
 #define MAX_SPLITS 16
 
-// Unsigned division by a runtime constant (block_size) in three instructions: valid for n < 2^31.
-struct FastDiv {
-    u32 magic, shift;
-    __device__ __forceinline__ explicit FastDiv(u32 d) {
-        shift = d <= 1 ? 0u : 32u - __clz(d - 1);  // smallest s with 2^s >= d
-        // A power of two (the usual block size) needs no 64-bit division: magic = 1, n >> shift.
-        magic = (d & (d - 1)) == 0 ? 1u : (u32)(((1ull << 32) * ((1ull << shift) - d)) / d + 1);
-    }
-    __device__ __forceinline__ u32 div(u32 n) const { return (__umulhi(n, magic) + n) >> shift; }
-};
-
 // ceil(a / b) for a >= 0, b > 0 without the integer divide sequence: a float estimate (off by at most one
 // while a < 2^21), then corrected.
 __device__ __forceinline__ int ceil_div(int a, int b) {
@@ -538,7 +527,7 @@ __device__ void paged_attention(const bf16* __restrict__ qkv, int width, const u
                           counters);
 }
 
-#include "attention_mma.cuh"  // after FastDiv and ATTN_WARPS, which it uses
+#include "attention_mma.cuh"  // after ATTN_WARPS, which it uses
 
 // The decode attention with its main loop on tensor cores (kernels/attention_mma.cuh), for caches whose block
 // size is a multiple of 16; the arguments and everything around the loop are those of the ROPE variant above.

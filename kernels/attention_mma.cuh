@@ -14,7 +14,7 @@
 // cover, pairing positions with byte permutes. Operands are bf16 for a bf16 cache and f16 for fp8 (every e4m3
 // value is an f16, and so is every bf16 q value in f16 range). P is rounded to the operand type, as in the
 // tensor-core prefill attention.
-// Included by attention.cuh (FastDiv, ATTN_WARPS).
+// Included by attention.cuh (ATTN_WARPS; FastDiv is in common.cuh).
 #pragma once
 #include "kv_cache.cuh"
 

@@ -30,6 +30,17 @@ __device__ __forceinline__ void kernel_begin() {
     pdl_launch_dependents();
 }
 
+// Unsigned division by a runtime constant (block_size) in three instructions: valid for n < 2^31.
+struct FastDiv {
+    u32 magic, shift;
+    __device__ __forceinline__ explicit FastDiv(u32 d) {
+        shift = d <= 1 ? 0u : 32u - __clz(d - 1);  // smallest s with 2^s >= d
+        // A power of two (the usual block size) needs no 64-bit division: magic = 1, n >> shift.
+        magic = (d & (d - 1)) == 0 ? 1u : (u32)(((1ull << 32) * ((1ull << shift) - d)) / d + 1);
+    }
+    __device__ __forceinline__ u32 div(u32 n) const { return (__umulhi(n, magic) + n) >> shift; }
+};
+
 // A shared-memory pointer as the 32-bit address PTX instructions on shared memory take.
 __device__ __forceinline__ u32 smem_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
 

@@ -428,13 +428,15 @@ def test_graph_decode_of_long_contexts_equals_eager(models_dir: Path) -> None:
 
 @pytest.mark.parametrize("name", ["qwen3", "smollm2"])
 def test_tiled_prefill_attention_matches_transformers(name: str, models_dir: Path) -> None:
-    """Prompts long enough for the tensor-core prefill attention (several 64-token query tiles and 32-position
-    K/V tiles, causal edges inside tiles), prefilled together as one group, then a prompt whose first 160
+    """Prompts long enough for the tensor-core prefill attention (several 64-token query tiles and 64-position
+    K/V tiles, causal edges inside tiles, tiles wholly below a warp's causal edge), prefilled together as one
+    group with a 1,100-token prompt whose 18 query tiles outnumber the others', then a prompt whose first 160
     tokens are cached (published by the first group's 300-token prompt), so the tiled kernel also attends over a
     cached prefix: the first token's log-probabilities must match transformers'."""
     path = gpu_models.make(name, models_dir)
     long = [(11 * i + 5) % 397 + 2 for i in range(300)]
-    prompts = [long[:150], PROMPT[:37], long]
+    longest = [(7 * i + 3) % 991 + 2 for i in range(1100)]
+    prompts = [long[:150], PROMPT[:37], long, longest]
     extended = long[:160] + [(13 * i + 1) % 397 + 2 for i in range(100)]
     coord = coordinator(path, "cuda")
     outs = coord.dispatch_request([stepllm.GenerationRequest(p, greedy(1, logprobs=10)) for p in prompts])

@@ -28,6 +28,16 @@ const ROPE_WARPS: usize = 8;
 /// Query rows per block of the tiled prefill attention (PF_BQ in kernels/prefill_attention.cu) and its threads.
 const PREFILL_QUERY_TILE: usize = 64;
 const PREFILL_THREADS: u32 = 128;
+/// Padding of each position's head in the prefill attention's shared tiles (PF_PAD), in bf16 values.
+const PREFILL_PAD: usize = 8;
+
+/// Key positions per shared-memory tile of the prefill attention (PF_BK).
+const PREFILL_KEY_TILE: usize = 64;
+
+/// Dynamic shared memory of one prefill-attention block: two stages of K and of V tiles.
+fn prefill_tile_bytes(head_dim: usize) -> usize {
+    4 * PREFILL_KEY_TILE * (head_dim + PREFILL_PAD) * 2
+}
 /// Prefill steps whose longest query is at least this many tokens use the tiled prefill attention; shorter ones
 /// (a prompt tail after a prefix-cache hit) gain nothing from tiles and keep the paged kernel.
 const PREFILL_TILED_MIN_QUERY: usize = 16;
@@ -99,7 +109,12 @@ impl CacheKernels {
             attention_mma,
             prefill_attention: [64, 128]
                 .into_iter()
-                .map(|d| Ok((d, gpu.function("prefill_attention", &format!("prefill_attention{suffix}_d{d}"))?)))
+                .map(|d| {
+                    let f = gpu.function("prefill_attention", &format!("prefill_attention{suffix}_d{d}"))?;
+                    // Its tiles may take more than the 48 KiB a kernel gets without opting in.
+                    gpu.allow_max_dynamic_shared_memory(f)?;
+                    Ok((d, f))
+                })
                 .collect::<Result<_>>()?,
         })
     }
@@ -509,7 +524,7 @@ impl CudaBackend {
         self.inner.kernels.for_cache(&self.inner.gpu, dtype)
     }
 
-    /// One block per (sequence, tile of PREFILL_QUERY_TILE query tokens, query head); q and k rotated already.
+    /// One block per (sequence, query head, tile of PREFILL_QUERY_TILE query tokens); q and k rotated already.
     #[allow(clippy::too_many_arguments)]
     fn launch_prefill_attention(
         &self,
@@ -535,8 +550,8 @@ impl CudaBackend {
             Arg::F32(shape.softmax_scale()),
             Arg::Ptr(out.ptr()),
         ];
-        let grid = (batch.n_seqs as u32, batch.max_query_len.div_ceil(PREFILL_QUERY_TILE) as u32, shape.num_heads as u32);
-        self.inner.gpu.launch(f, grid, PREFILL_THREADS, &args)
+        let grid = (batch.n_seqs as u32, shape.num_heads as u32, batch.max_query_len.div_ceil(PREFILL_QUERY_TILE) as u32);
+        self.inner.gpu.launch_smem(f, grid, PREFILL_THREADS, prefill_tile_bytes(shape.head_dim) as u32, &args)
     }
 
     /// The paged attention kernel for this shape; with [`QkRotation::InKernel`] (decode batches only), the
