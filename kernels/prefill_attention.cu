@@ -1,16 +1,18 @@
-// Causal attention for prefill steps on tensor cores: a block takes a tile of PF_BQ query tokens of one sequence
-// and one query head, and streams that sequence's K and V (cached prefix and the step's own tokens, already
-// rotated and written by the RoPE kernel) through shared memory BK positions at a time. Each K/V tile is read
-// once per tile of queries instead of once per query token, and the products run as bf16 mma.sync with f32
-// accumulation (flash-attention's online softmax), so long prompts are bound by tensor-core throughput rather
-// than by re-reading K and V. Decode steps keep the paged kernel in attention.cuh.
+// Causal attention for prefill steps on tensor cores: a block takes a tile of PF_BQ query tokens (2 PF_BQ for the
+// wide blocks of long prompts) of one sequence and one query head, and streams that sequence's K and V (cached
+// prefix and the step's own tokens, already rotated and written by the RoPE kernel) through shared memory BK
+// positions at a time. Each K/V tile is read once per tile of queries instead of once per query token, and the
+// products run as bf16 mma.sync with f32 accumulation (flash-attention's online softmax), so long prompts are bound
+// by tensor-core throughput rather than by re-reading K and V. Decode steps keep the paged kernel in attention.cuh.
 //
 // What keeps the warps issuing (Nsight Compute on a 3,800-token prompt found them stalled on short dependency
 // chains, the integer pipe the busiest, and the multiprocessors idle a fifth of the time at the grid's end):
 // - the grid's last dimension is the query tile, heaviest (last) tiles first, so the short tiles fill the tail;
 // - only tiles that cross a warp's causal edge (or the sequence's end) are masked;
 // - the output is rescaled only when some row's running maximum moved, and the scale rides in the exponent's FMA;
-// - block-table lookups divide by the block size with a multiply and shift (FastDiv).
+// - block-table lookups divide by the block size with a multiply and shift (FastDiv);
+// - for long prompts, wide blocks: each warp takes 32 query rows, so every K and V fragment it reads feeds two
+//   products.
 //
 // An fp8 cache (kernels/kv_cache.cuh) is widened to bf16 on its way to shared memory, so the products are the same
 // bf16 mma.sync: its tiles go through registers (loaded for tile j + 1 before tile j computes, stored after)
@@ -23,8 +25,8 @@
 // So the S accumulators of two neighbouring 8-position tiles are exactly the A operand (P) of the next product.
 #include "kv_cache.cuh"
 
-#define PF_BQ 64       // query rows per block: 4 warps x 16
-#define PF_BK 64       // key positions per shared-memory tile
+#define PF_BQ 64       // query rows per narrow block: 4 warps x 16
+#define PF_BK 64       // key positions per shared-memory tile of a narrow block
 #define PF_THREADS 128
 #define PF_PAD 8       // bf16 of padding per shared row: rows 16 bytes apart mod 128, so ldmatrix is conflict-free
 
@@ -46,8 +48,8 @@ __device__ __forceinline__ void ldmatrix_x4_trans(u32 r[4], const void* p) {
 }
 
 // A block's K/V tiles in dynamic shared memory: two stages of BK positions of K, then two of V, each position's D
-// values padded to D + PF_PAD. The host allocates 4 * BK * (D + PF_PAD) bf16 (prefill_tile_bytes in
-// rust/core/src/backend/cuda/backend.rs, whose PREFILL_KEY_TILE is PF_BK).
+// values padded to D + PF_PAD; a wide block's queries follow them. The host sizes it (PrefillTiling::shared_bytes in
+// rust/core/src/backend/cuda/backend.rs).
 template <int D, int BK>
 struct PrefillTiles {
     static constexpr int ROW = D + PF_PAD;
@@ -153,66 +155,97 @@ __device__ __forceinline__ void mask_and_max(float (&sc)[ST][4], int p0, int c, 
     }
 }
 
-// grid: (sequences, num_heads, ceil(longest query length / PF_BQ)); block: PF_THREADS; dynamic shared memory: the
-// tiles. seq_info: 5 u32 per sequence (start, len, past_len, table_start, table_len); q in qkv is already rotated.
-// KV: the cache's element type; BK: key positions per tile.
-template <int D, int BK, typename KV>
+// grid: (sequences, num_heads, ceil(longest query length / (PF_BQ * MT))); block: PF_THREADS; dynamic shared
+// memory: the tiles (and, for MT > 1, the block's queries). seq_info: 5 u32 per sequence (start, len, past_len,
+// table_start, table_len); q in qkv is already rotated. KV: the cache's element type; BK: key positions per tile;
+// MT: 16-row m-tiles per warp. With MT = 1 a warp keeps its queries' A fragments in registers; with MT > 1 they
+// are read from shared memory at every k-step (the registers go to the accumulators), and every K and V fragment
+// feeds MT products.
+template <int D, int BK, int MT, typename KV>
 __device__ void prefill_attention(const bf16* __restrict__ qkv, int width, const u32* __restrict__ seq_info,
                                   const u32* __restrict__ block_tables, const KV* k_cache, const KV* v_cache,
                                   int block_size, int num_kv_heads, int group, float scale, bf16* __restrict__ out) {
     constexpr int KSTEPS = D / 16;  // k-steps of Q.K^T over the head dimension
     constexpr int NT = D / 8;       // 8-wide column tiles of the output
     constexpr int ST = BK / 8;      // 8-position tiles of S per K/V tile
+    constexpr int BQ = PF_BQ * MT;  // query rows per block
+    constexpr int ROW = PrefillTiles<D, BK>::ROW;
     extern __shared__ __align__(16) unsigned char pf_shared[];
     const PrefillTiles<D, BK> sm{reinterpret_cast<bf16*>(pf_shared)};
+    bf16* const s_q = reinterpret_cast<bf16*>(pf_shared) + 4 * BK * ROW;  // MT > 1: [BQ][ROW]
 
     const int seq = blockIdx.x, h = blockIdx.y, g = h / group;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, r = lane >> 2, c = lane & 3;
     const u32* info = seq_info + seq * 5;
     const int start = (int)info[0], len = (int)info[1], past = (int)info[2];
-    const int q0 = (gridDim.z - 1 - blockIdx.z) * PF_BQ;  // the last query tiles have the most keys: they go first
+    const int q0 = (gridDim.z - 1 - blockIdx.z) * BQ;  // the last query tiles have the most keys: they go first
     if (q0 >= len) return;  // block-uniform: this sequence has fewer query tiles
     const PagedKv kv{block_tables + info[3], FastDiv((u32)block_size), block_size, num_kv_heads, g};
     const int num_heads = num_kv_heads * group;
     // Keys this block needs: up to the position of its last query.
-    const int end = past + min(q0 + PF_BQ, len);
+    const int end = past + min(q0 + BQ, len);
     const int tiles = (end + BK - 1) / BK;
+    const bf16* q_rows = qkv + (size_t)h * D;  // query i's head at q_rows + (start + i) * width
 
     constexpr bool FP8 = std::is_same<KV, fp8>::value;
+    if constexpr (MT > 1) {
+        // The block's queries into shared memory (zeros past the sequence), in the first tile's copy group.
+        constexpr int PIECES = BQ * (D / 8) / PF_THREADS;
+#pragma unroll
+        for (int i = 0; i < PIECES; i++) {
+            const int e = threadIdx.x + i * PF_THREADS, row = e / (D / 8), col = (e % (D / 8)) * 8;
+            const bool valid = q0 + row < len;
+            cp_async16(s_q + row * ROW + col, q_rows + (size_t)(start + (valid ? q0 + row : 0)) * width + col, valid ? 16 : 0);
+        }
+    }
     if constexpr (FP8) {
         Fp8Tile<D, BK> first;
         fetch_kv_tile<D, BK>(first, 0, end, kv, k_cache, v_cache);
         stash_kv_tile<D, BK>(sm, 0, first);
+        if constexpr (MT > 1) cp_async_commit();
     } else {
         load_kv_tile<D, BK>(sm, 0, 0, end, kv, k_cache, v_cache);
         cp_async_commit();
     }
 
-    // This warp's 16 query rows: A fragments of Q for every k-step (rows past the sequence are zeros).
-    const int i0 = q0 + warp * 16 + r, i1 = i0 + 8;  // query indices within the sequence
-    const bf16* q_base = qkv + (size_t)h * D + 2 * c;
-    u32 qa[KSTEPS][4];
+    // This warp's rows: m-tile mt holds queries warp_first + 16 mt + r (i0) and + 8 (i1).
+    const int warp_first = q0 + warp * 16 * MT;
+    int i0[MT], i1[MT], lim0[MT], lim1[MT];
 #pragma unroll
-    for (int kk = 0; kk < KSTEPS; kk++) {
-        const int col = kk * 16;
-        const bf16* row0 = q_base + (size_t)(start + i0) * width + col;
-        const bf16* row1 = q_base + (size_t)(start + i1) * width + col;
-        qa[kk][0] = i0 < len ? *reinterpret_cast<const u32*>(row0) : 0u;
-        qa[kk][1] = i1 < len ? *reinterpret_cast<const u32*>(row1) : 0u;
-        qa[kk][2] = i0 < len ? *reinterpret_cast<const u32*>(row0 + 8) : 0u;
-        qa[kk][3] = i1 < len ? *reinterpret_cast<const u32*>(row1 + 8) : 0u;
+    for (int mt = 0; mt < MT; mt++) {
+        i0[mt] = warp_first + 16 * mt + r;
+        i1[mt] = i0[mt] + 8;
+        // Causal limit of each row (rows past the sequence see nothing).
+        lim0[mt] = i0[mt] < len ? past + i0[mt] : -1;
+        lim1[mt] = i1[mt] < len ? past + i1[mt] : -1;
     }
-    // Causal limit of each row (rows past the sequence see nothing).
-    const int lim0 = i0 < len ? past + i0 : -1, lim1 = i1 < len ? past + i1 : -1;
+    // MT = 1: A fragments of Q for every k-step, in registers (rows past the sequence are zeros).
+    u32 qa[MT == 1 ? KSTEPS : 1][4];
+    if constexpr (MT == 1) {
+        const bf16* q_base = q_rows + 2 * c;
+#pragma unroll
+        for (int kk = 0; kk < KSTEPS; kk++) {
+            const bf16* row0 = q_base + (size_t)(start + i0[0]) * width + kk * 16;
+            const bf16* row1 = q_base + (size_t)(start + i1[0]) * width + kk * 16;
+            qa[kk][0] = i0[0] < len ? *reinterpret_cast<const u32*>(row0) : 0u;
+            qa[kk][1] = i1[0] < len ? *reinterpret_cast<const u32*>(row1) : 0u;
+            qa[kk][2] = i0[0] < len ? *reinterpret_cast<const u32*>(row0 + 8) : 0u;
+            qa[kk][3] = i1[0] < len ? *reinterpret_cast<const u32*>(row1 + 8) : 0u;
+        }
+    }
     // Every row of this warp sees at least the positions up to `unmasked` (-1 when some row is past the sequence).
-    const int warp_first = q0 + warp * 16;
-    const int unmasked = warp_first + 15 < len ? past + warp_first : -1;
+    const int unmasked = warp_first + 16 * MT - 1 < len ? past + warp_first : -1;
     const float qscale = scale * LOG2_E;  // scores in log2 units
 
-    float o[NT][4];
+    float o[MT][NT][4];
+    float m0[MT], m1[MT], l0[MT], l1[MT];
 #pragma unroll
-    for (int n = 0; n < NT; n++) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
-    float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.0f, l1 = 0.0f;
+    for (int mt = 0; mt < MT; mt++) {
+#pragma unroll
+        for (int n = 0; n < NT; n++) o[mt][n][0] = o[mt][n][1] = o[mt][n][2] = o[mt][n][3] = 0.0f;
+        m0[mt] = m1[mt] = -INFINITY;
+        l0[mt] = l1[mt] = 0.0f;
+    }
 
     for (int j = 0; j < tiles; j++) {
         const int s = j & 1;
@@ -220,6 +253,7 @@ __device__ void prefill_attention(const bf16* __restrict__ qkv, int width, const
         Fp8Tile<D, BK> next;  // FP8: the next tile, in flight while this one computes
         if constexpr (FP8) {
             if (more) fetch_kv_tile<D, BK>(next, (j + 1) * BK, end, kv, k_cache, v_cache);
+            if (MT > 1 && j == 0) cp_async_wait<0>();  // the queries
         } else if (more) {
             load_kv_tile<D, BK>(sm, s ^ 1, (j + 1) * BK, end, kv, k_cache, v_cache);
             cp_async_commit();
@@ -231,79 +265,108 @@ __device__ void prefill_attention(const bf16* __restrict__ qkv, int width, const
         const int p0 = j * BK;
 
         // S = Q K^T for the tile's BK positions.
-        float sc[ST][4];
+        float sc[MT][ST][4];
 #pragma unroll
-        for (int t = 0; t < ST; t++) sc[t][0] = sc[t][1] = sc[t][2] = sc[t][3] = 0.0f;
+        for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+            for (int t = 0; t < ST; t++) sc[mt][t][0] = sc[mt][t][1] = sc[mt][t][2] = sc[mt][t][3] = 0.0f;
 #pragma unroll
         for (int kk = 0; kk < KSTEPS; kk++) {
+            u32 qf[MT][4];
+#pragma unroll
+            for (int mt = 0; mt < MT; mt++) {
+                if constexpr (MT == 1) {
+                    qf[0][0] = qa[kk][0], qf[0][1] = qa[kk][1], qf[0][2] = qa[kk][2], qf[0][3] = qa[kk][3];
+                } else {
+                    // matrices: rows +0 / +8 of the m-tile, dims +0 / +8 (the A fragment's order)
+                    ldmatrix_x4(qf[mt], s_q + (warp * 16 * MT + 16 * mt + (lane & 15)) * ROW + kk * 16 + (lane >> 4) * 8);
+                }
+            }
 #pragma unroll
             for (int t = 0; t < ST; t += 2) {
                 // matrices: (tile t, dims +0), (tile t, dims +8), (tile t+1, dims +0), (tile t+1, dims +8)
                 const int mi = lane >> 3;
                 u32 b[4];
                 ldmatrix_x4(b, sm.k(s, (t + (mi >> 1)) * 8 + (lane & 7), kk * 16 + (mi & 1) * 8));
-                mma_bf16(sc[t], qa[kk], b[0], b[1]);
-                mma_bf16(sc[t + 1], qa[kk], b[2], b[3]);
+#pragma unroll
+                for (int mt = 0; mt < MT; mt++) {
+                    mma_bf16(sc[mt][t], qf[mt], b[0], b[1]);
+                    mma_bf16(sc[mt][t + 1], qf[mt], b[2], b[3]);
+                }
             }
         }
 
-        // Online softmax over the tile, rows r (m0, l0) and r + 8 (m1, l1), in log2 units: the scale goes into each
-        // exponent's FMA, and the maximum is taken before it (qscale > 0). Warp-uniform branch.
-        float mx0 = -INFINITY, mx1 = -INFINITY;
-        if (p0 + BK - 1 > unmasked) {
-            mask_and_max<ST, true>(sc, p0, c, lim0, lim1, mx0, mx1);
-        } else {
-            mask_and_max<ST, false>(sc, p0, c, lim0, lim1, mx0, mx1);
-        }
+        // Online softmax over the tile, rows r (m0, l0) and r + 8 (m1, l1) of each m-tile, in log2 units: the scale
+        // goes into each exponent's FMA, and the maximum is taken before it (qscale > 0).
+        const bool masked = p0 + BK - 1 > unmasked;  // warp-uniform
+        u32 pa[MT][ST / 2][4];  // P as the A operand of P V, one 16-position k-step per pair of S tiles
+        float corr0[MT], corr1[MT];
+        bool moved = false;
 #pragma unroll
-        for (int x = 1; x <= 2; x <<= 1) {
-            mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, x));
-            mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, x));
-        }
-        mx0 = fmaxf(m0, mx0 * qscale);
-        mx1 = fmaxf(m1, mx1 * qscale);
-        // A row with nothing visible yet keeps m = -inf; its base is 0 so that exp2(-inf - 0) = 0, never NaN.
-        const float base0 = mx0 == -INFINITY ? 0.0f : mx0, base1 = mx1 == -INFINITY ? 0.0f : mx1;
-        const float corr0 = fast_exp2(m0 - base0), corr1 = fast_exp2(m1 - base1);
-        m0 = mx0;
-        m1 = mx1;
-        float sum0 = 0.0f, sum1 = 0.0f;
-        u32 pa[ST / 2][4];  // P as the A operand of P V, one 16-position k-step per pair of S tiles
-#pragma unroll
-        for (int t = 0; t < ST; t++) {
-            const float e0 = fast_exp2(fmaf(sc[t][0], qscale, -base0)), e1 = fast_exp2(fmaf(sc[t][1], qscale, -base0));
-            const float e2 = fast_exp2(fmaf(sc[t][2], qscale, -base1)), e3 = fast_exp2(fmaf(sc[t][3], qscale, -base1));
-            sum0 += e0 + e1;
-            sum1 += e2 + e3;
-            pa[t / 2][(t & 1) * 2 + 0] = pack_bf16(e0, e1);
-            pa[t / 2][(t & 1) * 2 + 1] = pack_bf16(e2, e3);
-        }
-        l0 = l0 * corr0 + sum0;
-        l1 = l1 * corr1 + sum1;
-        // Once the maxima settle (most tiles of a long prompt), no row's correction differs from 1.
-        if (__any_sync(0xffffffffu, corr0 != 1.0f || corr1 != 1.0f)) {
-#pragma unroll
-            for (int n = 0; n < NT; n++) {
-                o[n][0] *= corr0;
-                o[n][1] *= corr0;
-                o[n][2] *= corr1;
-                o[n][3] *= corr1;
+        for (int mt = 0; mt < MT; mt++) {
+            float mx0 = -INFINITY, mx1 = -INFINITY;
+            if (masked) {
+                mask_and_max<ST, true>(sc[mt], p0, c, lim0[mt], lim1[mt], mx0, mx1);
+            } else {
+                mask_and_max<ST, false>(sc[mt], p0, c, lim0[mt], lim1[mt], mx0, mx1);
             }
+#pragma unroll
+            for (int x = 1; x <= 2; x <<= 1) {
+                mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, x));
+                mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, x));
+            }
+            mx0 = fmaxf(m0[mt], mx0 * qscale);
+            mx1 = fmaxf(m1[mt], mx1 * qscale);
+            // A row with nothing visible yet keeps m = -inf; its base is 0 so that exp2(-inf - 0) = 0, never NaN.
+            const float base0 = mx0 == -INFINITY ? 0.0f : mx0, base1 = mx1 == -INFINITY ? 0.0f : mx1;
+            corr0[mt] = fast_exp2(m0[mt] - base0);
+            corr1[mt] = fast_exp2(m1[mt] - base1);
+            moved |= corr0[mt] != 1.0f || corr1[mt] != 1.0f;
+            m0[mt] = mx0;
+            m1[mt] = mx1;
+            float sum0 = 0.0f, sum1 = 0.0f;
+#pragma unroll
+            for (int t = 0; t < ST; t++) {
+                const float e0 = fast_exp2(fmaf(sc[mt][t][0], qscale, -base0));
+                const float e1 = fast_exp2(fmaf(sc[mt][t][1], qscale, -base0));
+                const float e2 = fast_exp2(fmaf(sc[mt][t][2], qscale, -base1));
+                const float e3 = fast_exp2(fmaf(sc[mt][t][3], qscale, -base1));
+                sum0 += e0 + e1;
+                sum1 += e2 + e3;
+                pa[mt][t / 2][(t & 1) * 2 + 0] = pack_bf16(e0, e1);
+                pa[mt][t / 2][(t & 1) * 2 + 1] = pack_bf16(e2, e3);
+            }
+            l0[mt] = l0[mt] * corr0[mt] + sum0;
+            l1[mt] = l1[mt] * corr1[mt] + sum1;
+        }
+        // Once the maxima settle (most tiles of a long prompt), no row's correction differs from 1.
+        if (__any_sync(0xffffffffu, moved)) {
+#pragma unroll
+            for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+                for (int n = 0; n < NT; n++) {
+                    o[mt][n][0] *= corr0[mt];
+                    o[mt][n][1] *= corr0[mt];
+                    o[mt][n][2] *= corr1[mt];
+                    o[mt][n][3] *= corr1[mt];
+                }
         }
 
         // O += P V: k = the tile's positions, n = head dimensions.
 #pragma unroll
         for (int kk = 0; kk < BK / 16; kk++) {
-            // A = P rows x positions [16 kk, 16 kk + 16): S tiles 2 kk (cols +0) and 2 kk + 1 (cols +8).
-            const u32 a[4] = {pa[kk][0], pa[kk][1], pa[kk][2], pa[kk][3]};
 #pragma unroll
             for (int n = 0; n < NT; n += 2) {
                 // matrices: (positions +0, dims n), (positions +8, dims n), (+0, dims n+1), (+8, dims n+1)
                 const int mi = lane >> 3;
                 u32 b[4];
                 ldmatrix_x4_trans(b, sm.v(s, kk * 16 + (mi & 1) * 8 + (lane & 7), (n + (mi >> 1)) * 8));
-                mma_bf16(o[n], a, b[0], b[1]);
-                mma_bf16(o[n + 1], a, b[2], b[3]);
+#pragma unroll
+                for (int mt = 0; mt < MT; mt++) {
+                    // A = P rows x positions [16 kk, 16 kk + 16): S tiles 2 kk (cols +0) and 2 kk + 1 (cols +8).
+                    mma_bf16(o[mt][n], pa[mt][kk], b[0], b[1]);
+                    mma_bf16(o[mt][n + 1], pa[mt][kk], b[2], b[3]);
+                }
             }
         }
         // Stage s ^ 1 was last read in the previous iteration, which every warp has left.
@@ -314,34 +377,44 @@ __device__ void prefill_attention(const bf16* __restrict__ qkv, int width, const
     }
 
 #pragma unroll
-    for (int x = 1; x <= 2; x <<= 1) {
-        l0 += __shfl_xor_sync(0xffffffffu, l0, x);
-        l1 += __shfl_xor_sync(0xffffffffu, l1, x);
-    }
-    const float inv0 = l0 > 0.0f ? 1.0f / l0 : 0.0f, inv1 = l1 > 0.0f ? 1.0f / l1 : 0.0f;
-    bf16* out0 = out + (size_t)(start + i0) * num_heads * D + (size_t)h * D + 2 * c;
-    bf16* out1 = out + (size_t)(start + i1) * num_heads * D + (size_t)h * D + 2 * c;
+    for (int mt = 0; mt < MT; mt++) {
+        float s0 = l0[mt], s1 = l1[mt];
 #pragma unroll
-    for (int n = 0; n < NT; n++) {
-        if (i0 < len) *reinterpret_cast<u32*>(out0 + n * 8) = pack_bf16(o[n][0] * inv0, o[n][1] * inv0);
-        if (i1 < len) *reinterpret_cast<u32*>(out1 + n * 8) = pack_bf16(o[n][2] * inv1, o[n][3] * inv1);
+        for (int x = 1; x <= 2; x <<= 1) {
+            s0 += __shfl_xor_sync(0xffffffffu, s0, x);
+            s1 += __shfl_xor_sync(0xffffffffu, s1, x);
+        }
+        const float inv0 = s0 > 0.0f ? 1.0f / s0 : 0.0f, inv1 = s1 > 0.0f ? 1.0f / s1 : 0.0f;
+        bf16* out0 = out + (size_t)(start + i0[mt]) * num_heads * D + (size_t)h * D + 2 * c;
+        bf16* out1 = out + (size_t)(start + i1[mt]) * num_heads * D + (size_t)h * D + 2 * c;
+#pragma unroll
+        for (int n = 0; n < NT; n++) {
+            if (i0[mt] < len) *reinterpret_cast<u32*>(out0 + n * 8) = pack_bf16(o[mt][n][0] * inv0, o[mt][n][1] * inv0);
+            if (i1[mt] < len) *reinterpret_cast<u32*>(out1 + n * 8) = pack_bf16(o[mt][n][2] * inv1, o[mt][n][3] * inv1);
+        }
     }
 }
 
-#define PREFILL_ATTENTION_KERNEL(NAME, KV, D, BK, MIN_BLOCKS)                                                   \
+#define PREFILL_ATTENTION_KERNEL(NAME, KV, D, BK, MT, MIN_BLOCKS)                                               \
     extern "C" __global__ void __launch_bounds__(PF_THREADS, MIN_BLOCKS) NAME##_d##D(                           \
         const bf16* qkv, int width, const u32* seq_info, const u32* block_tables, const KV* k_cache,            \
         const KV* v_cache, int block_size, int num_kv_heads, int group, float scale, bf16* out) {               \
         kernel_begin();                                                                                         \
-        prefill_attention<D, BK, KV>(qkv, width, seq_info, block_tables, k_cache, v_cache, block_size,          \
-                                     num_kv_heads, group, scale, out);                                          \
+        prefill_attention<D, BK, MT, KV>(qkv, width, seq_info, block_tables, k_cache, v_cache, block_size,      \
+                                         num_kv_heads, group, scale, out);                                      \
     }
 
-// Two blocks per multiprocessor: the 64-position tiles take 68 KiB of shared memory at head_dim 128 and ptxas uses
-// about 220 registers (measured on an H100 against 32-position tiles at three blocks: a 3,800-token prompt's
-// attention took 302 against 282 us per layer with a bf16 cache, but 309 against 319 with fp8, and prompts of 512 and
-// 2,048 tokens got their first token 7-9% sooner).
-PREFILL_ATTENTION_KERNEL(prefill_attention, bf16, 64, PF_BK, 2)
-PREFILL_ATTENTION_KERNEL(prefill_attention, bf16, 128, PF_BK, 2)
-PREFILL_ATTENTION_KERNEL(prefill_attention_fp8, fp8, 64, PF_BK, 2)
-PREFILL_ATTENTION_KERNEL(prefill_attention_fp8, fp8, 128, PF_BK, 2)
+// Narrow blocks (16 query rows per warp, 64-position tiles), two per multiprocessor: the tiles take 68 KiB of shared
+// memory at head_dim 128 and ptxas uses about 220 registers. Measured on an H100 against 32-position tiles at three
+// blocks: a 3,800-token prompt's attention took 302 against 282 us per layer with a bf16 cache, but 309 against 319
+// with fp8, and prompts of 512 and 2,048 tokens got their first token 7-9% sooner.
+PREFILL_ATTENTION_KERNEL(prefill_attention, bf16, 64, PF_BK, 1, 2)
+PREFILL_ATTENTION_KERNEL(prefill_attention, bf16, 128, PF_BK, 1, 2)
+PREFILL_ATTENTION_KERNEL(prefill_attention_fp8, fp8, 64, PF_BK, 1, 2)
+PREFILL_ATTENTION_KERNEL(prefill_attention_fp8, fp8, 128, PF_BK, 1, 2)
+// Wide blocks (32 query rows per warp, 32-position tiles, the queries in shared memory), two per multiprocessor at
+// about 250 registers: for long prompts (the host's PrefillTilingChoice in rust/core/src/backend/cuda/backend.rs).
+PREFILL_ATTENTION_KERNEL(prefill_attention_m2, bf16, 64, 32, 2, 2)
+PREFILL_ATTENTION_KERNEL(prefill_attention_m2, bf16, 128, 32, 2, 2)
+PREFILL_ATTENTION_KERNEL(prefill_attention_m2_fp8, fp8, 64, 32, 2, 2)
+PREFILL_ATTENTION_KERNEL(prefill_attention_m2_fp8, fp8, 128, 32, 2, 2)

@@ -426,13 +426,17 @@ def test_graph_decode_of_long_contexts_equals_eager(models_dir: Path) -> None:
     assert_released(graphed_coord)
 
 
+@pytest.mark.parametrize("tiling", ["1", "2"])
 @pytest.mark.parametrize("name", ["qwen3", "smollm2"])
-def test_tiled_prefill_attention_matches_transformers(name: str, models_dir: Path) -> None:
-    """Prompts long enough for the tensor-core prefill attention (several 64-token query tiles and 64-position
-    K/V tiles, causal edges inside tiles, tiles wholly below a warp's causal edge), prefilled together as one
-    group with a 1,100-token prompt whose 18 query tiles outnumber the others', then a prompt whose first 160
-    tokens are cached (published by the first group's 300-token prompt), so the tiled kernel also attends over a
-    cached prefix: the first token's log-probabilities must match transformers'."""
+def test_tiled_prefill_attention_matches_transformers(name: str, tiling: str, models_dir: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Prompts long enough for the tensor-core prefill attention (several query tiles and K/V tiles, causal edges
+    inside tiles, tiles wholly below a warp's causal edge), prefilled together as one group with a 1,100-token
+    prompt whose query tiles outnumber the others', then a prompt whose first 160 tokens are cached (published by
+    the first group's 300-token prompt), so the tiled kernel also attends over a cached prefix: the first token's
+    log-probabilities must match transformers'. Both block shapes, forced: narrow (16 query rows a warp, 64-position
+    tiles) and wide (32 rows a warp, 32-position tiles, which the backend picks for long prompts)."""
+    monkeypatch.setenv("STEPLLM_PREFILL_M_TILES", tiling)
     path = gpu_models.make(name, models_dir)
     long = [(11 * i + 5) % 397 + 2 for i in range(300)]
     longest = [(7 * i + 3) % 991 + 2 for i in range(1100)]

@@ -25,19 +25,80 @@ use crate::model::loader::HostTensor;
 const MAX_ATTENTION_SPLITS: usize = 16;
 /// Warps per block (one block per token) of the RoPE kernel: ROPE_WARPS in kernels/rope.cu.
 const ROPE_WARPS: usize = 8;
-/// Query rows per block of the tiled prefill attention (PF_BQ in kernels/prefill_attention.cu) and its threads.
+/// Query rows of a narrow block of the tiled prefill attention (PF_BQ in kernels/prefill_attention.cu: 4 warps of
+/// one 16-row m-tile; a wide block has twice as many), and its threads.
 const PREFILL_QUERY_TILE: usize = 64;
 const PREFILL_THREADS: u32 = 128;
 /// Padding of each position's head in the prefill attention's shared tiles (PF_PAD), in bf16 values.
 const PREFILL_PAD: usize = 8;
 
-/// Key positions per shared-memory tile of the prefill attention (PF_BK).
-const PREFILL_KEY_TILE: usize = 64;
-
-/// Dynamic shared memory of one prefill-attention block: two stages of K and of V tiles.
-fn prefill_tile_bytes(head_dim: usize) -> usize {
-    4 * PREFILL_KEY_TILE * (head_dim + PREFILL_PAD) * 2
+/// The two shapes of the tiled prefill attention's blocks (kernels/prefill_attention.cu): 16 query rows per warp
+/// with 64-position K/V tiles, or 32 rows per warp ("wide", the `_m2` kernels) with 32-position tiles.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct PrefillTiling {
+    /// 16-row m-tiles per warp (the kernels' MT).
+    m_tiles: usize,
+    /// Key positions per shared-memory tile (BK).
+    key_tile: usize,
 }
+
+impl PrefillTiling {
+    const NARROW: Self = Self { m_tiles: 1, key_tile: 64 };
+    const WIDE: Self = Self { m_tiles: 2, key_tile: 32 };
+
+    fn query_rows(self) -> usize {
+        PREFILL_QUERY_TILE * self.m_tiles
+    }
+
+    /// Dynamic shared memory of one block: two stages of K and of V tiles, and the wide blocks' queries.
+    fn shared_bytes(self, head_dim: usize) -> usize {
+        let queries = if self.m_tiles > 1 { self.query_rows() } else { 0 };
+        (4 * self.key_tile + queries) * (head_dim + PREFILL_PAD) * 2
+    }
+}
+
+/// Which prefill tiling a step gets: STEPLLM_PREFILL_M_TILES=1 or 2 forces one (tests cover both kernels with it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum PrefillTilingChoice {
+    Auto,
+    Forced(PrefillTiling),
+}
+
+impl PrefillTilingChoice {
+    fn from_env() -> Self {
+        match std::env::var("STEPLLM_PREFILL_M_TILES").as_deref() {
+            Ok("1") => Self::Forced(PrefillTiling::NARROW),
+            Ok("2") => Self::Forced(PrefillTiling::WIDE),
+            _ => Self::Auto,
+        }
+    }
+
+    /// Wide blocks do 12-14% less work per key on an H100 (a 3,800-token prompt's attention, 260 against 301 us
+    /// per layer with a bf16 cache, 273 against 309 with fp8), but there are half as many, and on 2,048 and 512
+    /// tokens (less than one wave of them at two per multiprocessor) the first token came 19% and 14% later. So
+    /// they are used only where both measured conditions of the win hold: a prompt chunk of 3,072 tokens or more, and
+    /// at least one and a half waves of wide blocks. Shorter prompts (the mixed workload's) were not measured
+    /// with wide blocks and keep the narrow ones.
+    fn pick(self, max_query_len: usize, n_seqs: usize, num_heads: usize, sm_count: usize) -> PrefillTiling {
+        match self {
+            Self::Forced(tiling) => tiling,
+            Self::Auto => {
+                let wide_blocks = n_seqs * num_heads * max_query_len.div_ceil(PrefillTiling::WIDE.query_rows());
+                // One and a half waves at two wide blocks per multiprocessor (about 250 registers a thread at
+                // head_dim 128).
+                if max_query_len >= PREFILL_WIDE_MIN_QUERY && wide_blocks >= 3 * sm_count {
+                    PrefillTiling::WIDE
+                } else {
+                    PrefillTiling::NARROW
+                }
+            }
+        }
+    }
+}
+
+/// Shortest longest-query of a step that may get wide prefill-attention blocks.
+const PREFILL_WIDE_MIN_QUERY: usize = 3072;
+
 /// Prefill steps whose longest query is at least this many tokens use the tiled prefill attention; shorter ones
 /// (a prompt tail after a prefix-cache hit) gain nothing from tiles and keep the paged kernel.
 const PREFILL_TILED_MIN_QUERY: usize = 16;
@@ -80,13 +141,13 @@ struct CacheKernels {
     /// The rotating kernels with their main loop on tensor cores (kernels/attention_mma.cuh): decode batches over
     /// caches whose block size is a multiple of 16.
     attention_mma: Vec<((usize, usize), Func)>,
-    /// (head_dim, kernel): tensor-core attention for prefill steps.
-    prefill_attention: Vec<(usize, Func)>,
+    /// (head_dim, narrow kernel, wide kernel): tensor-core attention for prefill steps (see [`PrefillTiling`]).
+    prefill_attention: Vec<(usize, Func, Func)>,
 }
 
 impl CacheKernels {
     /// Kernel names: paged_attention[_fp8][_rope|_mma_rope]_d{D}_g{G} in module attention[_fp8]
-    /// (kernels/attention.cu, attention_fp8.cu), prefill_attention[_fp8]_d{D}, rope_write_kv_{bf16,fp8}.
+    /// (kernels/attention.cu, attention_fp8.cu), prefill_attention[_m2][_fp8]_d{D}, rope_write_kv_{bf16,fp8}.
     fn load(gpu: &Gpu, dtype: KvCacheDtype) -> Result<Self> {
         let (suffix, element) = match dtype {
             KvCacheDtype::Auto => ("", "bf16"),
@@ -110,10 +171,13 @@ impl CacheKernels {
             prefill_attention: [64, 128]
                 .into_iter()
                 .map(|d| {
-                    let f = gpu.function("prefill_attention", &format!("prefill_attention{suffix}_d{d}"))?;
-                    // Its tiles may take more than the 48 KiB a kernel gets without opting in.
-                    gpu.allow_max_dynamic_shared_memory(f)?;
-                    Ok((d, f))
+                    let kernel = |infix: &str| {
+                        let f = gpu.function("prefill_attention", &format!("prefill_attention{infix}{suffix}_d{d}"))?;
+                        // Its tiles may take more than the 48 KiB a kernel gets without opting in.
+                        gpu.allow_max_dynamic_shared_memory(f)?;
+                        Ok::<_, Error>(f)
+                    };
+                    Ok((d, kernel("")?, kernel("_m2")?))
                 })
                 .collect::<Result<_>>()?,
         })
@@ -307,6 +371,7 @@ pub(super) struct Inner {
     skinny: SkinnyGemm,
     /// STEPLLM_NO_TILED_PREFILL=1 keeps prefill on the paged attention kernel (for comparisons).
     tiled_prefill: bool,
+    prefill_tiling: PrefillTilingChoice,
     /// STEPLLM_NO_MMA_ATTENTION=1 keeps decode attention on the CUDA-core kernel (for comparisons).
     mma_attention: bool,
     pub state: Mutex<State>,
@@ -328,7 +393,8 @@ impl CudaBackend {
         let tiled_prefill = std::env::var_os("STEPLLM_NO_TILED_PREFILL").is_none();
         let mma_attention = std::env::var_os("STEPLLM_NO_MMA_ATTENTION").is_none();
         let state = Mutex::new(State::default());
-        let inner = Inner { gpu, blas, kernels, gemv, skinny, tiled_prefill, mma_attention, state };
+        let prefill_tiling = PrefillTilingChoice::from_env();
+        let inner = Inner { gpu, blas, kernels, gemv, skinny, tiled_prefill, prefill_tiling, mma_attention, state };
         Ok(Self { inner: Arc::new(inner) })
     }
 
@@ -511,24 +577,34 @@ impl CudaBackend {
         self.inner.skinny.launch(&self.inner.gpu, kind, &projection(x.rows, x.ptr(), weight, bias, y))
     }
 
-    /// The tensor-core prefill attention, when this step has prompts long enough to fill its query tiles.
-    fn tiled_prefill_kernel(&self, shape: &AttentionShape, batch: &CudaBatch, cache: &CudaKvCache) -> Result<Option<Func>> {
+    /// The tensor-core prefill attention and its tiling, when this step has prompts long enough to fill its query
+    /// tiles.
+    fn tiled_prefill_kernel(
+        &self,
+        shape: &AttentionShape,
+        batch: &CudaBatch,
+        cache: &CudaKvCache,
+    ) -> Result<Option<(Func, PrefillTiling)>> {
         if !self.inner.tiled_prefill || batch.max_query_len < PREFILL_TILED_MIN_QUERY {
             return Ok(None);
         }
         let kernels = self.cache_kernels(cache.shape.dtype)?;
-        Ok(kernels.prefill_attention.iter().find(|(d, _)| *d == shape.head_dim).map(|&(_, f)| f))
+        let Some(&(_, narrow, wide)) = kernels.prefill_attention.iter().find(|(d, ..)| *d == shape.head_dim) else {
+            return Ok(None);
+        };
+        let tiling = self.inner.prefill_tiling.pick(batch.max_query_len, batch.n_seqs, shape.num_heads, self.inner.gpu.sm_count);
+        Ok(Some((if tiling == PrefillTiling::WIDE { wide } else { narrow }, tiling)))
     }
 
     fn cache_kernels(&self, dtype: KvCacheDtype) -> Result<&CacheKernels> {
         self.inner.kernels.for_cache(&self.inner.gpu, dtype)
     }
 
-    /// One block per (sequence, query head, tile of PREFILL_QUERY_TILE query tokens); q and k rotated already.
+    /// One block per (sequence, query head, tile of `tiling.query_rows()` query tokens); q and k rotated already.
     #[allow(clippy::too_many_arguments)]
     fn launch_prefill_attention(
         &self,
-        f: Func,
+        (f, tiling): (Func, PrefillTiling),
         qkv: &CudaTensor,
         shape: &AttentionShape,
         batch: &CudaBatch,
@@ -550,8 +626,8 @@ impl CudaBackend {
             Arg::F32(shape.softmax_scale()),
             Arg::Ptr(out.ptr()),
         ];
-        let grid = (batch.n_seqs as u32, shape.num_heads as u32, batch.max_query_len.div_ceil(PREFILL_QUERY_TILE) as u32);
-        self.inner.gpu.launch_smem(f, grid, PREFILL_THREADS, prefill_tile_bytes(shape.head_dim) as u32, &args)
+        let grid = (batch.n_seqs as u32, shape.num_heads as u32, batch.max_query_len.div_ceil(tiling.query_rows()) as u32);
+        self.inner.gpu.launch_smem(f, grid, PREFILL_THREADS, tiling.shared_bytes(shape.head_dim) as u32, &args)
     }
 
     /// The paged attention kernel for this shape; with [`QkRotation::InKernel`] (decode batches only), the
@@ -933,8 +1009,8 @@ impl Backend for CudaBackend {
         out: &mut CudaTensor,
     ) -> Result<()> {
         check_attention(qkv, shape, batch, cache, layer)?;
-        if let Some(f) = self.tiled_prefill_kernel(shape, batch, cache)? {
-            return self.launch_prefill_attention(f, qkv, shape, batch, cache, layer, out);
+        if let Some(kernel) = self.tiled_prefill_kernel(shape, batch, cache)? {
+            return self.launch_prefill_attention(kernel, qkv, shape, batch, cache, layer, out);
         }
         self.launch_attention(qkv, shape, batch, cache, layer, out, QkRotation::Done)
     }
@@ -1043,7 +1119,31 @@ fn argmax_blocks_per_row(rows: usize, vocab: usize, sm_count: usize) -> usize {
 
 #[cfg(test)]
 mod tests {
-    use super::argmax_blocks_per_row;
+    use super::{argmax_blocks_per_row, PrefillTiling, PrefillTilingChoice};
+
+    #[test]
+    fn wide_prefill_blocks_only_where_they_were_measured_to_win() {
+        let auto = |len, seqs, heads| PrefillTilingChoice::Auto.pick(len, seqs, heads, 132);
+        // Qwen3-0.6B's 16 heads on an H100: one 3,800-token prompt (480 wide blocks) won; 2,048 and 512 lost.
+        assert_eq!(auto(3800, 1, 16), PrefillTiling::WIDE);
+        assert_eq!(auto(2048, 1, 16), PrefillTiling::NARROW);
+        assert_eq!(auto(512, 1, 16), PrefillTiling::NARROW);
+        // Long enough, but too few blocks to fill one and a half waves: SmolLM2's 9 heads.
+        assert_eq!(auto(3800, 1, 9), PrefillTiling::NARROW);
+        // Many short prompts fill the GPU but were not measured wide: the mixed workload's groups stay narrow.
+        assert_eq!(auto(1024, 8, 16), PrefillTiling::NARROW);
+        // The switch forces either, whatever the step.
+        assert_eq!(PrefillTilingChoice::Forced(PrefillTiling::WIDE).pick(16, 1, 1, 132), PrefillTiling::WIDE);
+        assert_eq!(PrefillTilingChoice::Forced(PrefillTiling::NARROW).pick(8000, 4, 32, 132), PrefillTiling::NARROW);
+    }
+
+    #[test]
+    fn prefill_blocks_ask_for_their_tiles_and_the_wide_ones_for_their_queries() {
+        // head_dim 128, rows padded by 8: two stages of K and V of 64 positions, or of 32 plus 128 queries.
+        assert_eq!(PrefillTiling::NARROW.shared_bytes(128), 4 * 64 * 136 * 2);
+        assert_eq!(PrefillTiling::WIDE.shared_bytes(128), (4 * 32 + 128) * 136 * 2);
+        assert_eq!(PrefillTiling::WIDE.query_rows(), 128);
+    }
 
     #[test]
     fn argmax_takes_one_load_per_thread_for_few_rows_and_eight_for_many() {
