@@ -83,6 +83,7 @@ impl PrefillTilingChoice {
         match self {
             Self::Forced(tiling) => tiling,
             Self::Auto => {
+                // The grid's size: every sequence as long as the longest (shorter ones' extra blocks exit at once).
                 let wide_blocks = n_seqs * num_heads * max_query_len.div_ceil(PrefillTiling::WIDE.query_rows());
                 // One and a half waves at two wide blocks per multiprocessor (about 250 registers a thread at
                 // head_dim 128).
@@ -371,6 +372,7 @@ pub(super) struct Inner {
     skinny: SkinnyGemm,
     /// STEPLLM_NO_TILED_PREFILL=1 keeps prefill on the paged attention kernel (for comparisons).
     tiled_prefill: bool,
+    /// Narrow or wide prefill-attention blocks per step (STEPLLM_PREFILL_M_TILES=1|2 forces one).
     prefill_tiling: PrefillTilingChoice,
     /// STEPLLM_NO_MMA_ATTENTION=1 keeps decode attention on the CUDA-core kernel (for comparisons).
     mma_attention: bool,
