@@ -86,7 +86,9 @@ def hf_forward_times(path: Path, prompts: list[list[int]], shape: str) -> None:
     import torch
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16,
+    # torch_dtype, as gpu_decode.py and the GPU tests load it: newer transformers warn but honour it, older ones
+    # would silently ignore `dtype` and load f32.
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(path), torch_dtype=torch.bfloat16,
                                                               attn_implementation="sdpa").cuda().eval()
     last_only = "logits_to_keep" in model.forward.__code__.co_varnames
     for ids in prompts:
