@@ -311,6 +311,20 @@ def assert_released(coord: stepllm.RuntimeCoordinator) -> None:
     assert c["live_slots"] == 0 and c["leased_blocks"] == 0, c
 
 
+def decode_all(stepped: stepllm.SteppedRequest) -> tuple[dict[int, stepllm.GenerationResponse], list]:
+    """Decode every resident to its end, then finish the session: (each request's response by original index,
+    the founder's at 0; the executions of the decode steps)."""
+    done: dict[int, stepllm.GenerationResponse] = {}
+    executions = []
+    while stepped.residents():
+        step = stepped.decode(stepllm.ImmutableDecodeBatch(residents=stepped.residents()))
+        executions.append(step.execution)
+        for _, result in step.finished:
+            done[result.identity.original_index] = stepped.materialize(result)
+    done[0] = stepped.finish()
+    return done, executions
+
+
 def run_pair_stepped(coord: stepllm.RuntimeCoordinator, a: stepllm.GenerationRequest, b: stepllm.GenerationRequest,
                      decodes_before_b: int = 0) -> tuple[list[list[int]], list]:
     """A stepped session: A as the founder, prefilled and decoded `decodes_before_b` times; then B admitted and
@@ -322,14 +336,8 @@ def run_pair_stepped(coord: stepllm.RuntimeCoordinator, a: stepllm.GenerationReq
         stepped.decode(stepllm.ImmutableDecodeBatch(residents=stepped.residents()))
     adm = stepped.admit(b, original_index=1, request_id=2)
     stepped.prefill(stepllm.ImmutablePrefillBatch(target=adm.ref))
-    done: dict[int, stepllm.GenerationResponse] = {}
-    executions = []
-    while stepped.residents():
-        step = stepped.decode(stepllm.ImmutableDecodeBatch(residents=stepped.residents()))
-        executions.append(step.execution)
-        for _, result in step.finished:
-            done[result.identity.original_index] = stepped.materialize(result)
-    return [stepped.finish().output_ids, done[1].output_ids], executions
+    done, executions = decode_all(stepped)
+    return [done[0].output_ids, done[1].output_ids], executions
 
 
 def test_stepped_admission_mid_stream_on_gpu(models_dir: Path) -> None:
@@ -364,13 +372,9 @@ def test_mixed_step_on_gpu(models_dir: Path) -> None:
     targets = [stepped.admit_into_group(r, original_index=i, request_id=i + 1).ref for i, r in enumerate(joining, start=1)]
     step = stepped.mixed(stepllm.ImmutableMixedBatch(residents=[founder], targets=targets))
     assert step.ok and step.work == stepllm.SequenceWork.MIXED and not step.execution.cuda_graph, step
-    done: dict[int, list[int]] = {}
-    while stepped.residents():
-        step = stepped.decode(stepllm.ImmutableDecodeBatch(residents=stepped.residents()))
-        assert step.execution.cuda_graph, step.execution
-        for _, result in step.finished:
-            done[result.identity.original_index] = result.output_ids
-    assert [stepped.finish().output_ids, done[1], done[2]] == alone
+    done, executions = decode_all(stepped)
+    assert all(ex.cuda_graph for ex in executions), executions
+    assert [done[k].output_ids for k in range(3)] == alone
     assert_released(coord)
 
 
@@ -397,13 +401,8 @@ def test_chunked_prefill_on_gpu(models_dir: Path) -> None:
         assert step.ok and not step.execution.cuda_graph, step
         chunks.append([p.query_length for p in step.participants if p.work == stepllm.SequenceWork.CONTEXT])
     assert chunks == [[64], [64], [1, 40]], chunks
-    done = {}
-    while stepped.residents():
-        step = stepped.decode(stepllm.ImmutableDecodeBatch(residents=stepped.residents()))
-        assert step.execution.cuda_graph, step.execution
-        for _, result in step.finished:
-            done[result.identity.original_index] = stepped.materialize(result)
-    done[0] = stepped.finish()
+    done, executions = decode_all(stepped)
+    assert all(ex.cuda_graph for ex in executions), executions
     for k, want in enumerate(whole):
         assert len(done[k].output_ids) == len(want.output_ids) == 8, k
         assert_logprobs_agree_until_near_tie(done[k].logprobs, want.logprobs, k)

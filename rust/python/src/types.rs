@@ -61,6 +61,11 @@ pub fn refs(v: &[ResidentRef]) -> Vec<PyResidentRef> {
     v.iter().copied().map(PyResidentRef).collect()
 }
 
+/// The other way: the core refs of Python ones.
+fn core_refs(v: Vec<PyResidentRef>) -> Vec<ResidentRef> {
+    v.into_iter().map(|r| r.0).collect()
+}
+
 #[pyclass(
     module = "stepllm._core",
     name = "SequenceIdentity",
@@ -507,7 +512,7 @@ impl PyImmutablePrefillGroup {
     #[new]
     fn new(targets: Vec<PyResidentRef>) -> Self {
         Self(ImmutablePrefillGroup {
-            targets: targets.into_iter().map(|r| r.0).collect(),
+            targets: core_refs(targets),
         })
     }
     #[getter]
@@ -535,7 +540,7 @@ impl PyImmutableDecodeBatch {
     #[new]
     fn new(residents: Vec<PyResidentRef>) -> Self {
         Self(ImmutableDecodeBatch {
-            residents: residents.into_iter().map(|r| r.0).collect(),
+            residents: core_refs(residents),
         })
     }
     #[getter]
@@ -563,8 +568,8 @@ impl PyImmutableMixedBatch {
     #[new]
     fn new(residents: Vec<PyResidentRef>, targets: Vec<PyResidentRef>) -> Self {
         Self(ImmutableMixedBatch {
-            residents: residents.into_iter().map(|r| r.0).collect(),
-            targets: targets.into_iter().map(|r| r.0).collect(),
+            residents: core_refs(residents),
+            targets: core_refs(targets),
         })
     }
     #[getter]
