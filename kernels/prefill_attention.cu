@@ -14,6 +14,11 @@
 // - for long prompts, wide blocks: each warp takes 32 query rows, so every K and V fragment it reads feeds two
 //   products.
 //
+// Split keys: when a step has few query tiles over many keys (a chunk of a long prompt, or a short prompt tail after
+// a long cached prefix), the grid would leave most multiprocessors idle while each block walks every key. The host
+// then gives each query tile `splits` blocks, each taking an equal share of its K/V tiles; they leave unnormalized
+// partial outputs with their (max, sum), and prefill_attention_merge combines them.
+//
 // An fp8 cache (kernels/kv_cache.cuh) is widened to bf16 on its way to shared memory, so the products are the same
 // bf16 mma.sync: its tiles go through registers (loaded for tile j + 1 before tile j computes, stored after)
 // instead of cp.async.
@@ -136,6 +141,26 @@ __device__ __forceinline__ void stash_kv_tile(const PrefillTiles<D, BK>& sm, int
     }
 }
 
+// A split block's state of one (query token, head): its unnormalized output (at its running max) and (max in log2
+// units, sum), D + 2 floats at ((token * num_heads + head) * splits + split) * (D + 2). The host sizes it.
+template <int D>
+struct PrefillPartial {
+    float* base;
+    int num_heads, splits;
+
+    __device__ __forceinline__ float* record(int token, int h, int split) const {
+        return base + (((size_t)token * num_heads + h) * splits + split) * (D + 2);
+    }
+    // One accumulator row of an m-tile (e = 0: row r, e = 2: row r + 8) as a warp's quad c holds it.
+    __device__ __forceinline__ void store(int token, int h, int split, const float (&o)[D / 8][4], int e, float m,
+                                          float l, int c) const {
+        float* rec = record(token, h, split);
+#pragma unroll
+        for (int n = 0; n < D / 8; n++) __stcg(reinterpret_cast<float2*>(rec + n * 8 + 2 * c), make_float2(o[n][e], o[n][e + 1]));
+        if (c == 0) __stcg(reinterpret_cast<float2*>(rec + D), make_float2(m, l));
+    }
+};
+
 // The maxima of one tile's raw scores (not yet scaled): rows r (mx0) and r + 8 (mx1). MASK: the tile crosses a
 // row's causal limit (lim0, lim1; -1 for rows past the sequence), so later positions get -inf.
 template <int ST, bool MASK>
@@ -155,16 +180,18 @@ __device__ __forceinline__ void mask_and_max(float (&sc)[ST][4], int p0, int c, 
     }
 }
 
-// grid: (sequences, num_heads, ceil(longest query length / (PF_BQ * MT))); block: PF_THREADS; dynamic shared
-// memory: the tiles (and, for MT > 1, the block's queries). seq_info: 5 u32 per sequence (start, len, past_len,
+// grid: (sequences, num_heads, ceil(longest query length / (PF_BQ * MT)) * splits); block: PF_THREADS; dynamic
+// shared memory: the tiles (and, for MT > 1, the block's queries). seq_info: 5 u32 per sequence (start, len, past_len,
 // table_start, table_len); q in qkv is already rotated. KV: the cache's element type; BK: key positions per tile;
 // MT: 16-row m-tiles per warp. With MT = 1 a warp keeps its queries' A fragments in registers; with MT > 1 they
 // are read from shared memory at every k-step (the registers go to the accumulators), and every K and V fragment
-// feeds MT products.
+// feeds MT products. splits > 1: blockIdx.z is (query tile, split), and each block writes its partial state to
+// `partial` (PrefillPartial) instead of `out`.
 template <int D, int BK, int MT, typename KV>
 __device__ void prefill_attention(const bf16* __restrict__ qkv, int width, const u32* __restrict__ seq_info,
                                   const u32* __restrict__ block_tables, const KV* k_cache, const KV* v_cache,
-                                  int block_size, int num_kv_heads, int group, float scale, bf16* __restrict__ out) {
+                                  int block_size, int num_kv_heads, int group, float scale, bf16* __restrict__ out,
+                                  int splits, float* __restrict__ partial) {
     constexpr int KSTEPS = D / 16;  // k-steps of Q.K^T over the head dimension
     constexpr int NT = D / 8;       // 8-wide column tiles of the output
     constexpr int ST = BK / 8;      // 8-position tiles of S per K/V tile
@@ -178,13 +205,15 @@ __device__ void prefill_attention(const bf16* __restrict__ qkv, int width, const
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, r = lane >> 2, c = lane & 3;
     const u32* info = seq_info + seq * 5;
     const int start = (int)info[0], len = (int)info[1], past = (int)info[2];
-    const int q0 = (gridDim.z - 1 - blockIdx.z) * BQ;  // the last query tiles have the most keys: they go first
+    const int tile = blockIdx.z / splits, split = blockIdx.z - tile * splits;
+    const int q0 = (gridDim.z / splits - 1 - tile) * BQ;  // the last query tiles have the most keys: they go first
     if (q0 >= len) return;  // block-uniform: this sequence has fewer query tiles
     const PagedKv kv{block_tables + info[3], FastDiv((u32)block_size), block_size, num_kv_heads, g};
     const int num_heads = num_kv_heads * group;
-    // Keys this block needs: up to the position of its last query.
+    // Keys this block's queries see: up to the position of its last query; this split takes K/V tiles [j0, j1).
     const int end = past + min(q0 + BQ, len);
-    const int tiles = (end + BK - 1) / BK;
+    const int tiles = (end + BK - 1) / BK, per_split = (tiles + splits - 1) / splits;
+    const int j0 = split * per_split, j1 = min(tiles, j0 + per_split);
     const bf16* q_rows = qkv + (size_t)h * D;  // query i's head at q_rows + (start + i) * width
 
     constexpr bool FP8 = std::is_same<KV, fp8>::value;
@@ -200,11 +229,13 @@ __device__ void prefill_attention(const bf16* __restrict__ qkv, int width, const
     }
     if constexpr (FP8) {
         Fp8Tile<D, BK> first;
-        fetch_kv_tile<D, BK>(first, 0, end, kv, k_cache, v_cache);
-        stash_kv_tile<D, BK>(sm, 0, first);
+        if (j0 < j1) {
+            fetch_kv_tile<D, BK>(first, j0 * BK, end, kv, k_cache, v_cache);
+            stash_kv_tile<D, BK>(sm, 0, first);
+        }
         if constexpr (MT > 1) cp_async_commit();
     } else {
-        load_kv_tile<D, BK>(sm, 0, 0, end, kv, k_cache, v_cache);
+        if (j0 < j1) load_kv_tile<D, BK>(sm, 0, j0 * BK, end, kv, k_cache, v_cache);
         cp_async_commit();
     }
 
@@ -247,13 +278,13 @@ __device__ void prefill_attention(const bf16* __restrict__ qkv, int width, const
         l0[mt] = l1[mt] = 0.0f;
     }
 
-    for (int j = 0; j < tiles; j++) {
-        const int s = j & 1;
-        const bool more = j + 1 < tiles;
+    for (int j = j0; j < j1; j++) {
+        const int s = (j - j0) & 1;
+        const bool more = j + 1 < j1;
         Fp8Tile<D, BK> next;  // FP8: the next tile, in flight while this one computes
         if constexpr (FP8) {
             if (more) fetch_kv_tile<D, BK>(next, (j + 1) * BK, end, kv, k_cache, v_cache);
-            if (MT > 1 && j == 0) cp_async_wait<0>();  // the queries
+            if (MT > 1 && j == j0) cp_async_wait<0>();  // the queries
         } else if (more) {
             load_kv_tile<D, BK>(sm, s ^ 1, (j + 1) * BK, end, kv, k_cache, v_cache);
             cp_async_commit();
@@ -375,6 +406,7 @@ __device__ void prefill_attention(const bf16* __restrict__ qkv, int width, const
         }
         __syncthreads();  // the next iteration's loads overwrite the stage just read
     }
+    cp_async_wait<0>();  // nothing in flight at exit (a split with no tiles committed an empty group)
 
 #pragma unroll
     for (int mt = 0; mt < MT; mt++) {
@@ -383,6 +415,12 @@ __device__ void prefill_attention(const bf16* __restrict__ qkv, int width, const
         for (int x = 1; x <= 2; x <<= 1) {
             s0 += __shfl_xor_sync(0xffffffffu, s0, x);
             s1 += __shfl_xor_sync(0xffffffffu, s1, x);
+        }
+        if (splits > 1) {  // block-uniform
+            const PrefillPartial<D> part{partial, num_heads, splits};
+            if (i0[mt] < len) part.store(start + i0[mt], h, split, o[mt], 0, m0[mt], s0, c);
+            if (i1[mt] < len) part.store(start + i1[mt], h, split, o[mt], 2, m1[mt], s1, c);
+            continue;
         }
         const float inv0 = s0 > 0.0f ? 1.0f / s0 : 0.0f, inv1 = s1 > 0.0f ? 1.0f / s1 : 0.0f;
         bf16* out0 = out + (size_t)(start + i0[mt]) * num_heads * D + (size_t)h * D + 2 * c;
@@ -395,13 +433,48 @@ __device__ void prefill_attention(const bf16* __restrict__ qkv, int width, const
     }
 }
 
+// Combines the split blocks' partial states into each query token's output. grid: (tokens, num_heads); block: one
+// warp, each lane D / 32 dimensions.
+template <int D>
+__device__ void prefill_attention_merge(const float* __restrict__ partial, int num_heads, int splits, bf16* __restrict__ out) {
+    constexpr int V = D / 32;
+    const int t = blockIdx.x, h = blockIdx.y, lane = threadIdx.x;
+    const PrefillPartial<D> part{const_cast<float*>(partial), num_heads, splits};
+    float mx = -INFINITY;
+    for (int s = 0; s < splits; s++) mx = fmaxf(mx, __ldcg(part.record(t, h, s) + D));
+    float l = 0.0f, acc[V] = {};
+    for (int s = 0; s < splits; s++) {
+        const float* rec = part.record(t, h, s);
+        const float2 ml = __ldcg(reinterpret_cast<const float2*>(rec + D));
+        if (ml.x == -INFINITY) continue;  // this split saw none of the token's keys
+        const float c = fast_exp2(ml.x - mx);
+        l += ml.y * c;
+#pragma unroll
+        for (int i = 0; i < V; i++) acc[i] += __ldcg(rec + lane * V + i) * c;
+    }
+    const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+    bf16* o = out + ((size_t)t * num_heads + h) * D + lane * V;
+#pragma unroll
+    for (int i = 0; i < V; i += 2) *reinterpret_cast<u32*>(o + i) = pack_bf16(acc[i] * inv, acc[i + 1] * inv);
+}
+
+#define PREFILL_MERGE_KERNEL(D)                                                                                 \
+    extern "C" __global__ void __launch_bounds__(32) prefill_attention_merge_d##D(                              \
+        const float* partial, int num_heads, int splits, bf16* out) {                                           \
+        kernel_begin();                                                                                         \
+        prefill_attention_merge<D>(partial, num_heads, splits, out);                                            \
+    }
+PREFILL_MERGE_KERNEL(64)
+PREFILL_MERGE_KERNEL(128)
+
 #define PREFILL_ATTENTION_KERNEL(NAME, KV, D, BK, MT, MIN_BLOCKS)                                               \
     extern "C" __global__ void __launch_bounds__(PF_THREADS, MIN_BLOCKS) NAME##_d##D(                           \
         const bf16* qkv, int width, const u32* seq_info, const u32* block_tables, const KV* k_cache,            \
-        const KV* v_cache, int block_size, int num_kv_heads, int group, float scale, bf16* out) {               \
+        const KV* v_cache, int block_size, int num_kv_heads, int group, float scale, bf16* out, int splits,     \
+        float* partial) {                                                                                       \
         kernel_begin();                                                                                         \
         prefill_attention<D, BK, MT, KV>(qkv, width, seq_info, block_tables, k_cache, v_cache, block_size,      \
-                                         num_kv_heads, group, scale, out);                                      \
+                                         num_kv_heads, group, scale, out, splits, partial);                     \
     }
 
 // Narrow blocks (16 query rows per warp, 64-position tiles), two per multiprocessor: the tiles take 68 KiB of shared

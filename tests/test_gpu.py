@@ -409,6 +409,22 @@ def test_chunked_prefill_on_gpu(models_dir: Path) -> None:
     assert_released(coord)
 
 
+def test_chunked_long_prompt_splits_keys_on_gpu(models_dir: Path) -> None:
+    """A 1,100-token prompt in chunks of 128: each later chunk has 2 query tiles per head over up to 18 K/V tiles,
+    too few blocks for one wave, so the backend shares each tile's keys out over 4 blocks and merges them
+    (PrefillSplitChoice); computed whole (288 blocks, no split) it must give the same greedy tokens until the first
+    near-tie, with log-probabilities within the bf16 tolerance."""
+    path = gpu_models.make("qwen3", models_dir)
+    prompt = [(7 * i + 3) % 991 + 2 for i in range(1100)]
+    request = stepllm.GenerationRequest(prompt, greedy(6, logprobs=2))
+    whole = coordinator(path, "cuda", graphs=True).dispatch_request([request])[0]
+    chunked_coord = coordinator(path, "cuda", graphs=True, max_prefill_tokens=128)
+    chunked = chunked_coord.dispatch_request([request])[0]
+    assert len(chunked.output_ids) == len(whole.output_ids) == 6
+    assert_logprobs_agree_until_near_tie(chunked.logprobs, whole.logprobs, 0)
+    assert_released(chunked_coord)
+
+
 def test_graph_decode_of_long_contexts_equals_eager(models_dir: Path) -> None:
     """Two rows past 1024 tokens of context (block tables of 69 and 81 entries at the first step) decoded from a
     graph: every step replays one, and gives the tokens of the same steps run eagerly."""
@@ -425,17 +441,21 @@ def test_graph_decode_of_long_contexts_equals_eager(models_dir: Path) -> None:
     assert_released(graphed_coord)
 
 
-@pytest.mark.parametrize("tiling", ["1", "2"])
+@pytest.mark.parametrize("tiling,splits", [("1", None), ("2", None), ("1", "3")])
 @pytest.mark.parametrize("name", ["qwen3", "smollm2"])
-def test_tiled_prefill_attention_matches_transformers(name: str, tiling: str, models_dir: Path,
+def test_tiled_prefill_attention_matches_transformers(name: str, tiling: str, splits: str | None, models_dir: Path,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """Prompts long enough for the tensor-core prefill attention (several query tiles and K/V tiles, causal edges
     inside tiles, tiles wholly below a warp's causal edge), prefilled together as one group with a 1,100-token
     prompt whose query tiles outnumber the others', then a prompt whose first 160 tokens are cached (published by
     the first group's 300-token prompt), so the tiled kernel also attends over a cached prefix: the first token's
     log-probabilities must match transformers'. Both block shapes, forced: narrow (16 query rows a warp, 64-position
-    tiles) and wide (32 rows a warp, 32-position tiles, which the backend picks for long prompts)."""
+    tiles) and wide (32 rows a warp, 32-position tiles, which the backend picks for long prompts). Then narrow
+    blocks with every query tile's keys split over three blocks and merged (the backend splits steps with few query
+    tiles over many keys), which also leaves some splits of short tiles without keys."""
     monkeypatch.setenv("STEPLLM_PREFILL_M_TILES", tiling)
+    if splits is not None:
+        monkeypatch.setenv("STEPLLM_PREFILL_SPLITS", splits)
     path = gpu_models.make(name, models_dir)
     long = [(11 * i + 5) % 397 + 2 for i in range(300)]
     longest = [(7 * i + 3) % 991 + 2 for i in range(1100)]

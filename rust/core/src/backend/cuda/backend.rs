@@ -100,6 +100,43 @@ impl PrefillTilingChoice {
 /// Shortest longest-query of a step that may get wide prefill-attention blocks.
 const PREFILL_WIDE_MIN_QUERY: usize = 3072;
 
+/// Most blocks one query tile of the narrow prefill attention is split over (its keys shared out), and the fewest
+/// K/V tiles each split keeps, so that the merge stays small against a split's work.
+const PREFILL_MAX_SPLITS: usize = 8;
+const PREFILL_MIN_SPLIT_TILES: usize = 4;
+
+/// Over how many blocks each query tile of a narrow prefill-attention step shares out its keys:
+/// STEPLLM_PREFILL_SPLITS=N forces N (tests cover the merge with it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum PrefillSplitChoice {
+    Auto,
+    Forced(usize),
+}
+
+impl PrefillSplitChoice {
+    fn from_env() -> Self {
+        match std::env::var("STEPLLM_PREFILL_SPLITS").ok().and_then(|v| v.parse::<usize>().ok()) {
+            Some(n) if n >= 1 => Self::Forced(n.min(PREFILL_MAX_SPLITS)),
+            _ => Self::Auto,
+        }
+    }
+
+    /// `busy_blocks`: narrow blocks with queries to compute (every sequence's query tiles, every head);
+    /// `key_tiles`: 64-position K/V tiles of the longest context. A step with fewer busy blocks than one wave (two
+    /// per multiprocessor) leaves multiprocessors idle while each block walks all of its keys: a chunk of a long
+    /// prompt (4 query tiles of 256 tokens against up to 60 K/V tiles), or a short prompt tail after a long cached
+    /// prefix. Splitting the keys fills the wave: as many splits as fit in it, so that none spill into a second.
+    fn pick(self, busy_blocks: usize, key_tiles: usize, sm_count: usize) -> usize {
+        match self {
+            Self::Forced(n) => n,
+            Self::Auto => {
+                let fit = (2 * sm_count) / busy_blocks.max(1);
+                fit.min(key_tiles / PREFILL_MIN_SPLIT_TILES).clamp(1, PREFILL_MAX_SPLITS)
+            }
+        }
+    }
+}
+
 /// Prefill steps whose longest query is at least this many tokens use the tiled prefill attention; shorter ones
 /// (a prompt tail after a prefix-cache hit) gain nothing from tiles and keep the paged kernel.
 const PREFILL_TILED_MIN_QUERY: usize = 16;
@@ -126,6 +163,8 @@ struct Kernels {
     add_into: Func,
     select_rows: Func,
     argmax: Func,
+    /// (head_dim, kernel): the merge of split prefill-attention blocks (kernels/prefill_attention.cu).
+    prefill_merge: Vec<(usize, Func)>,
     bf16_cache: CacheKernels,
     fp8_cache: OnceLock<CacheKernels>,
     pub sample: Func,
@@ -195,6 +234,10 @@ impl Kernels {
             add_into: gpu.function("activation", "add_into")?,
             select_rows: gpu.function("activation", "select_rows")?,
             argmax: gpu.function("gemv", "argmax_rows")?,
+            prefill_merge: [64, 128]
+                .into_iter()
+                .map(|d| Ok((d, gpu.function("prefill_attention", &format!("prefill_attention_merge_d{d}"))?)))
+                .collect::<Result<_>>()?,
             bf16_cache: CacheKernels::load(gpu, KvCacheDtype::Auto)?,
             fp8_cache: OnceLock::new(),
             sample: gpu.function("sampling", "sample_rows")?,
@@ -273,6 +316,8 @@ pub struct CudaBatch {
     max_context: Option<usize>,
     /// Most query tokens of one sequence (1 in decode steps).
     max_query_len: usize,
+    /// Narrow prefill-attention query tiles of all sequences: sum of ceil(query tokens / PREFILL_QUERY_TILE).
+    query_tiles: usize,
 }
 
 impl CudaBatch {
@@ -374,6 +419,8 @@ pub(super) struct Inner {
     tiled_prefill: bool,
     /// Narrow or wide prefill-attention blocks per step (STEPLLM_PREFILL_M_TILES=1|2 forces one).
     prefill_tiling: PrefillTilingChoice,
+    /// Key splits of narrow prefill-attention blocks (STEPLLM_PREFILL_SPLITS=N forces N).
+    prefill_splits: PrefillSplitChoice,
     /// STEPLLM_NO_MMA_ATTENTION=1 keeps decode attention on the CUDA-core kernel (for comparisons).
     mma_attention: bool,
     pub state: Mutex<State>,
@@ -396,7 +443,9 @@ impl CudaBackend {
         let mma_attention = std::env::var_os("STEPLLM_NO_MMA_ATTENTION").is_none();
         let state = Mutex::new(State::default());
         let prefill_tiling = PrefillTilingChoice::from_env();
-        let inner = Inner { gpu, blas, kernels, gemv, skinny, tiled_prefill, prefill_tiling, mma_attention, state };
+        let prefill_splits = PrefillSplitChoice::from_env();
+        let inner =
+            Inner { gpu, blas, kernels, gemv, skinny, tiled_prefill, prefill_tiling, prefill_splits, mma_attention, state };
         Ok(Self { inner: Arc::new(inner) })
     }
 
@@ -615,6 +664,8 @@ impl CudaBackend {
         out: &mut CudaTensor,
     ) -> Result<()> {
         self.ensure(out, batch.n_tokens, shape.q_dim())?;
+        let splits = self.prefill_splits(tiling, shape, batch);
+        let partial = if splits > 1 { self.attention_workspace(batch.n_tokens, shape, splits)?.0 } else { 0 };
         let args = [
             Arg::Ptr(qkv.ptr()),
             Arg::I32(shape.qkv_width() as i32),
@@ -627,9 +678,30 @@ impl CudaBackend {
             Arg::I32(shape.group_size() as i32),
             Arg::F32(shape.softmax_scale()),
             Arg::Ptr(out.ptr()),
+            Arg::I32(splits as i32),
+            Arg::Ptr(partial),
         ];
-        let grid = (batch.n_seqs as u32, shape.num_heads as u32, batch.max_query_len.div_ceil(tiling.query_rows()) as u32);
-        self.inner.gpu.launch_smem(f, grid, PREFILL_THREADS, tiling.shared_bytes(shape.head_dim) as u32, &args)
+        let tiles = batch.max_query_len.div_ceil(tiling.query_rows());
+        let grid = (batch.n_seqs as u32, shape.num_heads as u32, (tiles * splits) as u32);
+        self.inner.gpu.launch_smem(f, grid, PREFILL_THREADS, tiling.shared_bytes(shape.head_dim) as u32, &args)?;
+        if splits > 1 {
+            let Some(&(_, merge)) = self.inner.kernels.prefill_merge.iter().find(|(d, _)| *d == shape.head_dim) else {
+                return internal(format!("no prefill-attention merge kernel for head_dim {}", shape.head_dim));
+            };
+            let args = [Arg::Ptr(partial), Arg::I32(shape.num_heads as i32), Arg::I32(splits as i32), Arg::Ptr(out.ptr())];
+            self.inner.gpu.launch(merge, (batch.n_tokens as u32, shape.num_heads as u32, 1), 32, &args)?;
+        }
+        Ok(())
+    }
+
+    /// Key splits for this step's prefill attention: only narrow blocks split (wide ones are picked for grids of
+    /// several waves).
+    fn prefill_splits(&self, tiling: PrefillTiling, shape: &AttentionShape, batch: &CudaBatch) -> usize {
+        if tiling != PrefillTiling::NARROW {
+            return 1;
+        }
+        let key_tiles = batch.max_context.unwrap_or(0).div_ceil(tiling.key_tile);
+        self.inner.prefill_splits.pick(batch.query_tiles * shape.num_heads, key_tiles, self.inner.gpu.sm_count)
     }
 
     /// The paged attention kernel for this shape; with [`QkRotation::InKernel`] (decode batches only), the
@@ -821,6 +893,7 @@ impl Backend for CudaBackend {
             batch.layout = layout;
             batch.max_context = None;
             batch.max_query_len = 1; // only decode steps are captured
+            batch.query_tiles = plan.num_tokens();
             return Ok(());
         }
         let layout = MetaLayout::new(plan.num_tokens(), plan.seqs.len(), plan.logits_rows.len(), plan.block_tables.len());
@@ -841,6 +914,7 @@ impl Backend for CudaBackend {
         batch.layout = layout;
         batch.max_context = plan.seqs.iter().map(|s| s.context_len()).max();
         batch.max_query_len = plan.max_query_len();
+        batch.query_tiles = plan.seqs.iter().map(|s| (s.len as usize).div_ceil(PREFILL_QUERY_TILE)).sum();
         Ok(())
     }
 
@@ -1121,7 +1195,28 @@ fn argmax_blocks_per_row(rows: usize, vocab: usize, sm_count: usize) -> usize {
 
 #[cfg(test)]
 mod tests {
-    use super::{argmax_blocks_per_row, PrefillTiling, PrefillTilingChoice};
+    use super::{argmax_blocks_per_row, PrefillSplitChoice, PrefillTiling, PrefillTilingChoice};
+
+    #[test]
+    fn prefill_keys_split_only_when_the_query_tiles_leave_the_wave_unfilled() {
+        let auto = |busy, key_tiles| PrefillSplitChoice::Auto.pick(busy, key_tiles, 132);
+        // The last 256-token chunk of a 3,800-token prompt, Qwen3's 16 heads: 64 blocks over 60 K/V tiles.
+        assert_eq!(auto(64, 60), 4);
+        // A 1,024-token chunk: 256 blocks, nearly a wave already; two splits would spill into a second.
+        assert_eq!(auto(256, 60), 1);
+        // A 128-token chunk at 1,100 tokens of context (tests/test_gpu.py's chunked split test): 32 blocks, 18 tiles.
+        assert_eq!(auto(32, 18), 4);
+        // Early chunks have too few keys to share out.
+        assert_eq!(auto(32, 4), 1);
+        assert_eq!(auto(32, 8), 2);
+        // A whole prompt of 1,100 tokens fills the wave alone; so do a mixed workload's groups.
+        assert_eq!(auto(18 * 16, 18), 1);
+        assert_eq!(auto(400, 40), 1);
+        // One short tail over a long cached prefix: as many splits as the cap allows.
+        assert_eq!(auto(16, 200), 8);
+        // The switch forces a count (capped at PREFILL_MAX_SPLITS by from_env), whatever the step.
+        assert_eq!(PrefillSplitChoice::Forced(3).pick(10_000, 1, 132), 3);
+    }
 
     #[test]
     fn wide_prefill_blocks_only_where_they_were_measured_to_win() {
