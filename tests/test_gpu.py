@@ -425,6 +425,24 @@ def test_chunked_long_prompt_splits_keys_on_gpu(models_dir: Path) -> None:
     assert_released(chunked_coord)
 
 
+def test_chunks_beside_running_requests_split_keys_on_gpu(models_dir: Path) -> None:
+    """The same 1,100-token prompt in chunks of 128 while a short request decodes beside it: its chunks are mixed
+    steps whose decode row has a short context, so only the chunk's 2 query tiles count toward the split
+    (`long_query_tiles`) and its keys are split as when alone. Both requests must give what they give computed
+    whole, until the first near-tie."""
+    path = gpu_models.make("qwen3", models_dir)
+    long = [(7 * i + 3) % 991 + 2 for i in range(1100)]
+    short = [(5 * i + 1) % 397 + 2 for i in range(40)]
+    requests = [stepllm.GenerationRequest(p, greedy(16, logprobs=2)) for p in (short, long)]
+    whole = coordinator(path, "cuda", graphs=True).dispatch_request(requests)
+    chunked_coord = coordinator(path, "cuda", graphs=True, max_prefill_tokens=128)
+    chunked = chunked_coord.dispatch_request(requests)
+    for k, (got, want) in enumerate(zip(chunked, whole)):
+        assert len(got.output_ids) == len(want.output_ids) == 16, k
+        assert_logprobs_agree_until_near_tie(got.logprobs, want.logprobs, k)
+    assert_released(chunked_coord)
+
+
 def test_graph_decode_of_long_contexts_equals_eager(models_dir: Path) -> None:
     """Two rows past 1024 tokens of context (block tables of 69 and 81 entries at the first step) decoded from a
     graph: every step replays one, and gives the tokens of the same steps run eagerly."""

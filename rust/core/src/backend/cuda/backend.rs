@@ -17,7 +17,7 @@ use super::blas::Blas;
 use super::device::{Arg, DeviceBuffer, Func, Gpu};
 use super::gemv::{Gemv, GemvKind, GemvLaunch, Projection};
 use super::skinny_gemm::{SkinnyGemm, SkinnyKind};
-use crate::backend::{AttentionShape, Backend, BatchPlan, KvCacheDtype, KvCacheShape};
+use crate::backend::{AttentionShape, Backend, BatchPlan, KvCacheDtype, KvCacheShape, PlannedSeq};
 use crate::error::{Error, Result};
 use crate::model::loader::HostTensor;
 
@@ -121,16 +121,17 @@ impl PrefillSplitChoice {
         }
     }
 
-    /// `busy_blocks`: narrow blocks with queries to compute (every sequence's query tiles, every head);
-    /// `key_tiles`: 64-position K/V tiles of the longest context. A step with fewer busy blocks than one wave (two
-    /// per multiprocessor) leaves multiprocessors idle while each block walks all of its keys: a chunk of a long
-    /// prompt (4 query tiles of 256 tokens against up to 60 K/V tiles), or a short prompt tail after a long cached
-    /// prefix. Splitting the keys fills the wave: as many splits as fit in it, so that none spill into a second.
-    fn pick(self, busy_blocks: usize, key_tiles: usize, sm_count: usize) -> usize {
+    /// `long_blocks`: narrow blocks of the sequences with long contexts (`CudaBatch::long_query_tiles`, every
+    /// head); `key_tiles`: 64-position K/V tiles of the longest context. A step with fewer long blocks than one wave
+    /// (two per multiprocessor) leaves multiprocessors idle while each walks all of its keys: a chunk of a long
+    /// prompt (4 query tiles of 256 tokens against up to 60 K/V tiles, beside running requests' short decode rows),
+    /// or a short prompt tail after a long cached prefix. Splitting the keys fills the wave: as many splits as fit in
+    /// it, so that the long blocks' splits do not spill into a second.
+    fn pick(self, long_blocks: usize, key_tiles: usize, sm_count: usize) -> usize {
         match self {
             Self::Forced(n) => n,
             Self::Auto => {
-                let fit = (2 * sm_count) / busy_blocks.max(1);
+                let fit = (2 * sm_count) / long_blocks.max(1);
                 fit.min(key_tiles / PREFILL_MIN_SPLIT_TILES).clamp(1, PREFILL_MAX_SPLITS)
             }
         }
@@ -316,8 +317,10 @@ pub struct CudaBatch {
     max_context: Option<usize>,
     /// Most query tokens of one sequence (1 in decode steps).
     max_query_len: usize,
-    /// Narrow prefill-attention query tiles of all sequences: sum of ceil(query tokens / PREFILL_QUERY_TILE).
-    query_tiles: usize,
+    /// Narrow prefill-attention query tiles of the sequences whose context is at least half the longest (sum of
+    /// ceil(query tokens / PREFILL_QUERY_TILE)): their blocks set the attention's time. The others (a mixed step's
+    /// decode rows beside a long prompt's chunk) finish early however the keys are split.
+    long_query_tiles: usize,
 }
 
 impl CudaBatch {
@@ -701,7 +704,7 @@ impl CudaBackend {
             return 1;
         }
         let key_tiles = batch.max_context.unwrap_or(0).div_ceil(tiling.key_tile);
-        self.inner.prefill_splits.pick(batch.query_tiles * shape.num_heads, key_tiles, self.inner.gpu.sm_count)
+        self.inner.prefill_splits.pick(batch.long_query_tiles * shape.num_heads, key_tiles, self.inner.gpu.sm_count)
     }
 
     /// The paged attention kernel for this shape; with [`QkRotation::InKernel`] (decode batches only), the
@@ -893,7 +896,7 @@ impl Backend for CudaBackend {
             batch.layout = layout;
             batch.max_context = None;
             batch.max_query_len = 1; // only decode steps are captured
-            batch.query_tiles = plan.num_tokens();
+            batch.long_query_tiles = plan.num_tokens();
             return Ok(());
         }
         let layout = MetaLayout::new(plan.num_tokens(), plan.seqs.len(), plan.logits_rows.len(), plan.block_tables.len());
@@ -914,7 +917,7 @@ impl Backend for CudaBackend {
         batch.layout = layout;
         batch.max_context = plan.seqs.iter().map(|s| s.context_len()).max();
         batch.max_query_len = plan.max_query_len();
-        batch.query_tiles = plan.seqs.iter().map(|s| (s.len as usize).div_ceil(PREFILL_QUERY_TILE)).sum();
+        batch.long_query_tiles = long_query_tiles(&plan.seqs);
         Ok(())
     }
 
@@ -1183,6 +1186,13 @@ fn check_attention(qkv: &CudaTensor, shape: &AttentionShape, batch: &CudaBatch, 
     Ok(())
 }
 
+/// Narrow prefill-attention query tiles of the sequences whose context is at least half the longest
+/// (`CudaBatch::long_query_tiles`).
+fn long_query_tiles(seqs: &[PlannedSeq]) -> usize {
+    let longest = seqs.iter().map(|s| s.context_len()).max().unwrap_or(0);
+    seqs.iter().filter(|s| 2 * s.context_len() >= longest).map(|s| (s.len as usize).div_ceil(PREFILL_QUERY_TILE)).sum()
+}
+
 /// Blocks per row of the argmax kernel over `rows` rows of `vocab` logits: 8 loads of 16 bytes per thread (256
 /// threads a block), or, while the grid stays under four blocks per multiprocessor, one load per thread. With a
 /// few rows the pass is one round trip instead of eight (Qwen3's 151,936 logits at batch 1: 75 blocks, not 10).
@@ -1195,12 +1205,27 @@ fn argmax_blocks_per_row(rows: usize, vocab: usize, sm_count: usize) -> usize {
 
 #[cfg(test)]
 mod tests {
-    use super::{argmax_blocks_per_row, PrefillSplitChoice, PrefillTiling, PrefillTilingChoice};
+    use super::{argmax_blocks_per_row, long_query_tiles, PlannedSeq, PrefillSplitChoice, PrefillTiling, PrefillTilingChoice};
+
+    #[test]
+    fn only_long_contexts_count_toward_the_prefill_split() {
+        let seq = |len, past_len| PlannedSeq { len, past_len, ..PlannedSeq::default() };
+        // A 256-token chunk at 3,544 cached tokens beside eight decode rows at ~200: only the chunk's 4 tiles.
+        let mut mixed = vec![seq(256, 3544)];
+        mixed.extend((0..8).map(|i| seq(1, 200 + i)));
+        assert_eq!(long_query_tiles(&mixed), 4);
+        // A group of prompts, the shortest exactly half the longest: all of them (2 + 2 + 1 tiles).
+        assert_eq!(long_query_tiles(&[seq(100, 0), seq(128, 0), seq(64, 0)]), 5);
+        // Shorter than half the longest: left out.
+        assert_eq!(long_query_tiles(&[seq(100, 0), seq(128, 0), seq(63, 0)]), 4);
+        assert_eq!(long_query_tiles(&[]), 0);
+    }
 
     #[test]
     fn prefill_keys_split_only_when_the_query_tiles_leave_the_wave_unfilled() {
         let auto = |busy, key_tiles| PrefillSplitChoice::Auto.pick(busy, key_tiles, 132);
-        // The last 256-token chunk of a 3,800-token prompt, Qwen3's 16 heads: 64 blocks over 60 K/V tiles.
+        // The last 256-token chunk of a 3,800-token prompt, Qwen3's 16 heads: 64 blocks over 60 K/V tiles (running
+        // requests' decode rows beside it have short contexts and are not counted).
         assert_eq!(auto(64, 60), 4);
         // A 1,024-token chunk: 256 blocks, nearly a wave already; two splits would spill into a second.
         assert_eq!(auto(256, 60), 1);
