@@ -142,19 +142,18 @@ __device__ __forceinline__ void stash_kv_tile(const PrefillTiles<D, BK>& sm, int
 }
 
 // A split block's state of one (query token, head): its unnormalized output (at its running max) and (max in log2
-// units, sum), D + 2 floats at ((token * num_heads + head) * splits + split) * (D + 2). The host sizes it.
+// units, sum): D + 2 floats at offset record(token, head, split) of the host's workspace.
 template <int D>
 struct PrefillPartial {
-    float* base;
     int num_heads, splits;
 
-    __device__ __forceinline__ float* record(int token, int h, int split) const {
-        return base + (((size_t)token * num_heads + h) * splits + split) * (D + 2);
+    __device__ __forceinline__ size_t record(int token, int h, int split) const {
+        return (((size_t)token * num_heads + h) * splits + split) * (D + 2);
     }
     // One accumulator row of an m-tile (e = 0: row r, e = 2: row r + 8) as a warp's quad c holds it.
-    __device__ __forceinline__ void store(int token, int h, int split, const float (&o)[D / 8][4], int e, float m,
-                                          float l, int c) const {
-        float* rec = record(token, h, split);
+    __device__ __forceinline__ void store(float* partial, int token, int h, int split, const float (&o)[D / 8][4],
+                                          int e, float m, float l, int c) const {
+        float* rec = partial + record(token, h, split);
 #pragma unroll
         for (int n = 0; n < D / 8; n++) __stcg(reinterpret_cast<float2*>(rec + n * 8 + 2 * c), make_float2(o[n][e], o[n][e + 1]));
         if (c == 0) __stcg(reinterpret_cast<float2*>(rec + D), make_float2(m, l));
@@ -417,9 +416,9 @@ __device__ void prefill_attention(const bf16* __restrict__ qkv, int width, const
             s1 += __shfl_xor_sync(0xffffffffu, s1, x);
         }
         if (splits > 1) {  // block-uniform
-            const PrefillPartial<D> part{partial, num_heads, splits};
-            if (i0[mt] < len) part.store(start + i0[mt], h, split, o[mt], 0, m0[mt], s0, c);
-            if (i1[mt] < len) part.store(start + i1[mt], h, split, o[mt], 2, m1[mt], s1, c);
+            const PrefillPartial<D> part{num_heads, splits};
+            if (i0[mt] < len) part.store(partial, start + i0[mt], h, split, o[mt], 0, m0[mt], s0, c);
+            if (i1[mt] < len) part.store(partial, start + i1[mt], h, split, o[mt], 2, m1[mt], s1, c);
             continue;
         }
         const float inv0 = s0 > 0.0f ? 1.0f / s0 : 0.0f, inv1 = s1 > 0.0f ? 1.0f / s1 : 0.0f;
@@ -439,12 +438,12 @@ template <int D>
 __device__ void prefill_attention_merge(const float* __restrict__ partial, int num_heads, int splits, bf16* __restrict__ out) {
     constexpr int V = D / 32;
     const int t = blockIdx.x, h = blockIdx.y, lane = threadIdx.x;
-    const PrefillPartial<D> part{const_cast<float*>(partial), num_heads, splits};
+    const PrefillPartial<D> part{num_heads, splits};
     float mx = -INFINITY;
-    for (int s = 0; s < splits; s++) mx = fmaxf(mx, __ldcg(part.record(t, h, s) + D));
+    for (int s = 0; s < splits; s++) mx = fmaxf(mx, __ldcg(partial + part.record(t, h, s) + D));
     float l = 0.0f, acc[V] = {};
     for (int s = 0; s < splits; s++) {
-        const float* rec = part.record(t, h, s);
+        const float* rec = partial + part.record(t, h, s);
         const float2 ml = __ldcg(reinterpret_cast<const float2*>(rec + D));
         if (ml.x == -INFINITY) continue;  // this split saw none of the token's keys
         const float c = fast_exp2(ml.x - mx);

@@ -409,31 +409,19 @@ def test_chunked_prefill_on_gpu(models_dir: Path) -> None:
     assert_released(coord)
 
 
-def test_chunked_long_prompt_splits_keys_on_gpu(models_dir: Path) -> None:
+@pytest.mark.parametrize("beside_running", [False, True])
+def test_chunked_long_prompt_splits_keys_on_gpu(beside_running: bool, models_dir: Path) -> None:
     """A 1,100-token prompt in chunks of 128: each later chunk has 2 query tiles per head over up to 18 K/V tiles,
     too few blocks for one wave, so the backend shares each tile's keys out over 4 blocks and merges them
     (PrefillSplitChoice); computed whole (288 blocks, no split) it must give the same greedy tokens until the first
-    near-tie, with log-probabilities within the bf16 tolerance."""
-    path = gpu_models.make("qwen3", models_dir)
-    prompt = [(7 * i + 3) % 991 + 2 for i in range(1100)]
-    request = stepllm.GenerationRequest(prompt, greedy(6, logprobs=2))
-    whole = coordinator(path, "cuda", graphs=True).dispatch_request([request])[0]
-    chunked_coord = coordinator(path, "cuda", graphs=True, max_prefill_tokens=128)
-    chunked = chunked_coord.dispatch_request([request])[0]
-    assert len(chunked.output_ids) == len(whole.output_ids) == 6
-    assert_logprobs_agree_until_near_tie(chunked.logprobs, whole.logprobs, 0)
-    assert_released(chunked_coord)
-
-
-def test_chunks_beside_running_requests_split_keys_on_gpu(models_dir: Path) -> None:
-    """The same 1,100-token prompt in chunks of 128 while a short request decodes beside it: its chunks are mixed
-    steps whose decode row has a short context, so only the chunk's 2 query tiles count toward the split
-    (`long_query_tiles`) and its keys are split as when alone. Both requests must give what they give computed
-    whole, until the first near-tie."""
+    near-tie, with log-probabilities within the bf16 tolerance. beside_running: a short request decodes while the
+    chunks are computed, so they are mixed steps whose decode row has a short context; only the chunk's query tiles
+    count toward the split (`long_query_tiles`), and the short request must agree with its whole run too."""
     path = gpu_models.make("qwen3", models_dir)
     long = [(7 * i + 3) % 991 + 2 for i in range(1100)]
     short = [(5 * i + 1) % 397 + 2 for i in range(40)]
-    requests = [stepllm.GenerationRequest(p, greedy(16, logprobs=2)) for p in (short, long)]
+    prompts = [short, long] if beside_running else [long]
+    requests = [stepllm.GenerationRequest(p, greedy(16, logprobs=2)) for p in prompts]
     whole = coordinator(path, "cuda", graphs=True).dispatch_request(requests)
     chunked_coord = coordinator(path, "cuda", graphs=True, max_prefill_tokens=128)
     chunked = chunked_coord.dispatch_request(requests)

@@ -164,8 +164,6 @@ struct Kernels {
     add_into: Func,
     select_rows: Func,
     argmax: Func,
-    /// (head_dim, kernel): the merge of split prefill-attention blocks (kernels/prefill_attention.cu).
-    prefill_merge: Vec<(usize, Func)>,
     bf16_cache: CacheKernels,
     fp8_cache: OnceLock<CacheKernels>,
     pub sample: Func,
@@ -182,13 +180,34 @@ struct CacheKernels {
     /// The rotating kernels with their main loop on tensor cores (kernels/attention_mma.cuh): decode batches over
     /// caches whose block size is a multiple of 16.
     attention_mma: Vec<((usize, usize), Func)>,
-    /// (head_dim, narrow kernel, wide kernel): tensor-core attention for prefill steps (see [`PrefillTiling`]).
-    prefill_attention: Vec<(usize, Func, Func)>,
+    /// Tensor-core attention for prefill steps, one set per head_dim (see [`PrefillTiling`]).
+    prefill_attention: Vec<PrefillKernels>,
+}
+
+/// The prefill attention's kernels for one head_dim and cache element type (kernels/prefill_attention.cu).
+#[derive(Clone, Copy)]
+struct PrefillKernels {
+    head_dim: usize,
+    narrow: Func,
+    wide: Func,
+    /// Combines the partial states of blocks whose keys were split (the same for either cache type).
+    merge: Func,
+}
+
+impl PrefillKernels {
+    fn for_tiling(&self, tiling: PrefillTiling) -> Func {
+        if tiling == PrefillTiling::WIDE {
+            self.wide
+        } else {
+            self.narrow
+        }
+    }
 }
 
 impl CacheKernels {
     /// Kernel names: paged_attention[_fp8][_rope|_mma_rope]_d{D}_g{G} in module attention[_fp8]
-    /// (kernels/attention.cu, attention_fp8.cu), prefill_attention[_m2][_fp8]_d{D}, rope_write_kv_{bf16,fp8}.
+    /// (kernels/attention.cu, attention_fp8.cu), prefill_attention[_m2][_fp8]_d{D} and prefill_attention_merge_d{D},
+    /// rope_write_kv_{bf16,fp8}.
     fn load(gpu: &Gpu, dtype: KvCacheDtype) -> Result<Self> {
         let (suffix, element) = match dtype {
             KvCacheDtype::Auto => ("", "bf16"),
@@ -218,7 +237,12 @@ impl CacheKernels {
                         gpu.allow_max_dynamic_shared_memory(f)?;
                         Ok::<_, Error>(f)
                     };
-                    Ok((d, kernel("")?, kernel("_m2")?))
+                    Ok(PrefillKernels {
+                        head_dim: d,
+                        narrow: kernel("")?,
+                        wide: kernel("_m2")?,
+                        merge: gpu.function("prefill_attention", &format!("prefill_attention_merge_d{d}"))?,
+                    })
                 })
                 .collect::<Result<_>>()?,
         })
@@ -235,10 +259,6 @@ impl Kernels {
             add_into: gpu.function("activation", "add_into")?,
             select_rows: gpu.function("activation", "select_rows")?,
             argmax: gpu.function("gemv", "argmax_rows")?,
-            prefill_merge: [64, 128]
-                .into_iter()
-                .map(|d| Ok((d, gpu.function("prefill_attention", &format!("prefill_attention_merge_d{d}"))?)))
-                .collect::<Result<_>>()?,
             bf16_cache: CacheKernels::load(gpu, KvCacheDtype::Auto)?,
             fp8_cache: OnceLock::new(),
             sample: gpu.function("sampling", "sample_rows")?,
@@ -638,16 +658,16 @@ impl CudaBackend {
         shape: &AttentionShape,
         batch: &CudaBatch,
         cache: &CudaKvCache,
-    ) -> Result<Option<(Func, PrefillTiling)>> {
+    ) -> Result<Option<(PrefillKernels, PrefillTiling)>> {
         if !self.inner.tiled_prefill || batch.max_query_len < PREFILL_TILED_MIN_QUERY {
             return Ok(None);
         }
         let kernels = self.cache_kernels(cache.shape.dtype)?;
-        let Some(&(_, narrow, wide)) = kernels.prefill_attention.iter().find(|(d, ..)| *d == shape.head_dim) else {
+        let Some(&found) = kernels.prefill_attention.iter().find(|k| k.head_dim == shape.head_dim) else {
             return Ok(None);
         };
         let tiling = self.inner.prefill_tiling.pick(batch.max_query_len, batch.n_seqs, shape.num_heads, self.inner.gpu.sm_count);
-        Ok(Some((if tiling == PrefillTiling::WIDE { wide } else { narrow }, tiling)))
+        Ok(Some((found, tiling)))
     }
 
     fn cache_kernels(&self, dtype: KvCacheDtype) -> Result<&CacheKernels> {
@@ -658,7 +678,7 @@ impl CudaBackend {
     #[allow(clippy::too_many_arguments)]
     fn launch_prefill_attention(
         &self,
-        (f, tiling): (Func, PrefillTiling),
+        (kernels, tiling): (PrefillKernels, PrefillTiling),
         qkv: &CudaTensor,
         shape: &AttentionShape,
         batch: &CudaBatch,
@@ -686,13 +706,11 @@ impl CudaBackend {
         ];
         let tiles = batch.max_query_len.div_ceil(tiling.query_rows());
         let grid = (batch.n_seqs as u32, shape.num_heads as u32, (tiles * splits) as u32);
-        self.inner.gpu.launch_smem(f, grid, PREFILL_THREADS, tiling.shared_bytes(shape.head_dim) as u32, &args)?;
+        let smem = tiling.shared_bytes(shape.head_dim) as u32;
+        self.inner.gpu.launch_smem(kernels.for_tiling(tiling), grid, PREFILL_THREADS, smem, &args)?;
         if splits > 1 {
-            let Some(&(_, merge)) = self.inner.kernels.prefill_merge.iter().find(|(d, _)| *d == shape.head_dim) else {
-                return internal(format!("no prefill-attention merge kernel for head_dim {}", shape.head_dim));
-            };
             let args = [Arg::Ptr(partial), Arg::I32(shape.num_heads as i32), Arg::I32(splits as i32), Arg::Ptr(out.ptr())];
-            self.inner.gpu.launch(merge, (batch.n_tokens as u32, shape.num_heads as u32, 1), 32, &args)?;
+            self.inner.gpu.launch(kernels.merge, (batch.n_tokens as u32, shape.num_heads as u32, 1), 32, &args)?;
         }
         Ok(())
     }
