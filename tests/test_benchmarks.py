@@ -1,12 +1,15 @@
 """The GPU benchmark's bookkeeping, run on the CPU with the tiny fixture: the stepped host-tick loop, the mixed
-workload through both paths, the K/V-read floor it reports (checked against a direct sum), and the profiler's
-exposed-time accounting."""
+workload through both paths, the K/V-read floor it reports (checked against a direct sum), the profiler's
+exposed-time accounting, and the server load test's clients spread over processes."""
 
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from conftest import model_dir
 
@@ -65,3 +68,19 @@ def test_cpu_prefill_times_one_prompt_per_run_on_cpu() -> None:
     seconds = cpu_prefill.stepllm_seconds(model_dir("llama"), 20)
     assert 0.0 < seconds < 60.0
     assert cpu_prefill.prompt(20, 1) != cpu_prefill.prompt(20, 2), "each run gets fresh tokens (no cache hits)"
+
+
+def test_serve_load_merges_the_clients_of_every_process() -> None:
+    pytest.importorskip("uvicorn")
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "serve_load.py"
+    cmd = [sys.executable, str(script), "--model", model_dir("qwen3"), "--clients", "4", "--processes", "2"]
+    cmd += ["--duration", "1.5", "--max-tokens", "6", "--disconnect-share", "0", "--max-batch-size", "4"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    rows = {k.strip(): v.strip() for k, _, v in (line.strip("| ").partition("|") for line in out.stdout.splitlines())}
+    assert rows["clients / processes"] == "4 / 2"
+    assert rows["clients that finished a request"] == "4"  # both processes' clients, merged
+    assert int(rows["requests finished"]) >= 4
+    assert float(rows["output tokens/s"]) > 0
+    assert rows["errors by kind"] == "none"
+    assert rows["after: running / waiting"] == "0 / 0"

@@ -258,6 +258,33 @@ def test_streamed_choices_interleave_and_each_ends_once(server: BackgroundServer
     assert all(finish_at[i] > last_text[i] for i in range(3))
 
 
+def test_chunks_that_queued_up_leave_as_one_event(llm: stepllm.LLM) -> None:
+    """A server behind its streams sends what has queued up for a choice as one chunk: here every token of two
+    choices has arrived before the stream is read, so each choice's text is one event, in full, before its end."""
+    from stepllm.server.bridge import GenerationHandle
+    from stepllm.server.responses import Context
+    from stepllm.server.streaming import stream_events
+
+    engine = llm.engine
+    ctx = Context(kind="chat", id="c", model="qwen2", token_text=engine.decode_token, token_bytes=engine.token_bytes)
+
+    async def read_after_all_arrived() -> tuple[list[dict[str, Any]], list[str]]:
+        handles = [GenerationHandle.start(engine, stepllm.GenerationRequest(CHAT, greedy(10 + i))) for i in range(2)]
+        while not all(h.ended for h in handles):
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0)  # the pumps' last hand-offs run on the loop
+        events = [e async for e in stream_events(handles, ctx, want_logprobs=False)]
+        assert events[-1] == "data: [DONE]\n\n"
+        return [json.loads(e[6:]) for e in events[:-1]], [h.response.output_text for h in handles if h.response]
+
+    bodies, expected = asyncio.run(read_after_all_arrived())
+    texts = [[b["choices"][0]["delta"].get("content") for b in bodies if b["choices"][0]["index"] == i] for i in range(2)]
+    for i in range(2):
+        # role chunk, then the whole text in one event, then the finish chunk (no content)
+        assert texts[i] == ["", expected[i], None], texts[i]
+    assert all(len(e) > 8 for e in expected)
+
+
 def test_echo_and_chat_without_max_tokens(server: BackgroundServer, llm: stepllm.LLM) -> None:
     client = sync_client(server)
     r = client.completions.create(model="qwen2", prompt="Hello", max_tokens=5, temperature=0, echo=True)

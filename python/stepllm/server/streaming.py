@@ -4,6 +4,7 @@ goes away at once (not only at its next write), so the engine drops the request 
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from typing import AsyncGenerator, Callable, Mapping, Sequence, Union
 
 import anyio
@@ -35,11 +36,13 @@ async def stream_events(handles: Sequence[GenerationHandle], ctx: Context, want_
             if ctx.echo(index):
                 yield ctx.chunk(ctx.echo(index), index=index)
         running = len(handles)
+        held: deque[tuple[int, _Event]] = deque()
         while running:
-            index, event = await merged.get()
+            index, event = held.popleft() if held else await merged.get()
             if isinstance(event, StreamChunk):
-                if event.text:
-                    yield ctx.chunk(event.text, index=index)
+                text = event.text + _text_already_here(index, merged, held)
+                if text:
+                    yield ctx.chunk(text, index=index)
                 continue
             if isinstance(event, BaseException):
                 yield sse(error_body(f"the engine failed this request: {event}", "server_error", code="engine_error"))
@@ -64,6 +67,20 @@ async def stream_events(handles: Sequence[GenerationHandle], ctx: Context, want_
             follower.cancel()
         for handle in handles:
             handle.cancel()
+
+
+def _text_already_here(index: int, merged: asyncio.Queue[tuple[int, _Event]], held: deque[tuple[int, _Event]]) -> str:
+    """The text of the chunks of choice `index` that are already queued behind the one in hand, so they leave as
+    one event: a server that falls behind its streams (many clients, a fast GPU) then sends fewer, longer chunks
+    instead of falling further behind. Stops at the first event of another kind or choice, kept in `held`."""
+    parts: list[str] = []
+    while not held and not merged.empty():
+        item = merged.get_nowait()
+        if item[0] == index and isinstance(item[1], StreamChunk):
+            parts.append(item[1].text)
+        else:
+            held.append(item)
+    return "".join(parts)
 
 
 async def _follow(index: int, handle: GenerationHandle, merged: asyncio.Queue[tuple[int, _Event]]) -> None:
