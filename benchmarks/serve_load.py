@@ -27,6 +27,7 @@ import asyncio
 import json
 import multiprocessing
 import os
+import queue
 import random
 import statistics
 import sys
@@ -163,9 +164,9 @@ async def run_clients(url: str, model: str, args: argparse.Namespace, clients: r
     return out
 
 
-def client_process(url: str, model: str, args: argparse.Namespace, clients: range, go: Any, done: Any) -> None:
+def client_process(url: str, model: str, args: argparse.Namespace, clients: range, start: Any, done: Any) -> None:
     """One load-generating process: wait for the common start, run its share of the clients, send the results."""
-    go.wait()
+    start.wait()
     done.put(asyncio.run(run_clients(url, model, args, clients)))
 
 
@@ -183,21 +184,35 @@ def drive(url: str, model: str, args: argparse.Namespace) -> tuple[Results, floa
         res = asyncio.run(run_clients(url, model, args, range(args.clients)))
         return res, time.monotonic() - started
     ctx = multiprocessing.get_context("spawn")  # never fork a process that may hold an engine's threads
-    go, done = ctx.Event(), ctx.Queue()
+    start, done = ctx.Barrier(processes + 1), ctx.Queue()
     shares = [range(args.clients * k // processes, args.clients * (k + 1) // processes) for k in range(processes)]
-    workers = [ctx.Process(target=client_process, args=(url, model, args, share, go, done), daemon=True) for share in shares]
+    workers = [ctx.Process(target=client_process, args=(url, model, args, share, start, done), daemon=True) for share in shares]
     for w in workers:
         w.start()
-    time.sleep(0.5)  # let the children import before the clock starts; each starts its clients when `go` is set
+    start.wait(timeout=120)  # every process has imported and waits: the clock starts with all clients at once
     started = time.monotonic()
-    go.set()
     merged = Results()
-    for _ in workers:
-        merged.merge(done.get(timeout=args.duration + args.grace + 60))
+    for res in collect(workers, done, args.duration + args.grace + 60):
+        merged.merge(res)
     elapsed = time.monotonic() - started
     for w in workers:
         w.join()
     return merged, elapsed
+
+
+def collect(workers: list[Any], done: Any, limit: float) -> list[Results]:
+    """Each client process's results; exits with a message if one of them died or they overran `limit` seconds."""
+    results: list[Results] = []
+    deadline = time.monotonic() + limit
+    while len(results) < len(workers):
+        try:
+            results.append(done.get(timeout=0.5))
+        except queue.Empty:
+            if any(w.exitcode not in (None, 0) for w in workers):
+                sys.exit("a client process failed (its traceback is above)")
+            if time.monotonic() > deadline:
+                sys.exit(f"the client processes did not finish within {limit:.0f} s")
+    return results
 
 
 def scrape(url: str) -> dict[str, float]:
