@@ -4,11 +4,12 @@ counts once it has settled (no request should be left running, no KV block lease
 
     python benchmarks/serve_load.py [--model M] [--clients 16] [--duration 30] [--disconnect-share 0.2]
                                     [--max-tokens 64] [--max-batch-size 8] [--max-waiting 256] [--url URL]
-                                    [--processes P]
+                                    [--input-len N [--max-id ID]] [--processes P]
 
 Without --url the engine and server run in this process (uvicorn on 127.0.0.1, a free port); with --url the
 clients drive that server instead (loopback only). Each client loops until the time is up: a random prompt from a
-small pool, stream=True, greedy, EOS ignored so every finished request generates --max-tokens tokens; with
+small pool (or, with --input-len N, N random token ids through /v1/completions, as vLLM's benchmark's "random"
+dataset sends), stream=True, greedy, EOS ignored so every finished request generates --max-tokens tokens; with
 probability --disconnect-share it closes the connection after a random number of content chunks. New requests
 stop at --duration; requests still open then get --grace seconds to finish, after which they are abandoned.
 TTFT = request sent -> first content chunk; TPOT = (last chunk - first chunk) / (completion tokens - 1), finished
@@ -38,6 +39,9 @@ from typing import Any
 
 import httpx
 
+# Random prompt ids start past the ids that tokenizers usually give special tokens.
+FIRST_RANDOM_ID = 10
+
 PROMPTS = [
     "Write a short poem about the sea.",
     "Explain how a bicycle works.",
@@ -58,6 +62,7 @@ class Results:
     finished: int = 0
     disconnected: int = 0
     tokens: int = 0
+    prompt_tokens: int = 0  # of the finished requests, as the server counted them
     errors: Counter[str] = field(default_factory=Counter)
     served: set[int] = field(default_factory=set)  # the clients that finished at least one request
 
@@ -68,6 +73,7 @@ class Results:
         self.finished += other.finished
         self.disconnected += other.disconnected
         self.tokens += other.tokens
+        self.prompt_tokens += other.prompt_tokens
         self.errors.update(other.errors)
         self.served |= other.served
 
@@ -83,21 +89,26 @@ async def one_request(
     client: httpx.AsyncClient, model: str, args: argparse.Namespace, rng: random.Random, out: Results, who: int
 ) -> None:
     hang_up_after = rng.randint(1, max(1, args.max_tokens // 2)) if rng.random() < args.disconnect_share else None
-    body = {
+    body: dict[str, Any] = {
         "model": model,
-        "messages": [{"role": "user", "content": rng.choice(PROMPTS)}],
         "max_tokens": args.max_tokens,
         "temperature": 0,
         "ignore_eos": True,
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+    if args.input_len:  # random token ids, vLLM's "random" dataset: prompts of a known length, no prefix shared
+        body["prompt"] = [rng.randrange(FIRST_RANDOM_ID, args.max_id) for _ in range(args.input_len)]
+        endpoint = "/v1/completions"
+    else:
+        body["messages"] = [{"role": "user", "content": rng.choice(PROMPTS)}]
+        endpoint = "/v1/chat/completions"
     sent = time.monotonic()
     first = last = None
     chunks = 0
-    completion_tokens = 0
+    completion_tokens = prompt_tokens = 0
     try:
-        async with client.stream("POST", "/v1/chat/completions", json=body) as r:
+        async with client.stream("POST", endpoint, json=body) as r:
             if r.status_code != 200:
                 await r.aread()
                 out.errors[f"http_{r.status_code}"] += 1
@@ -113,8 +124,9 @@ async def one_request(
                     return
                 if event.get("usage"):
                     completion_tokens = event["usage"]["completion_tokens"]
+                    prompt_tokens = event["usage"]["prompt_tokens"]
                 for choice in event.get("choices", []):
-                    if choice.get("delta", {}).get("content"):
+                    if choice.get("text") or choice.get("delta", {}).get("content"):
                         last = time.monotonic()
                         first = first or last
                         chunks += 1
@@ -134,6 +146,7 @@ async def one_request(
     out.finished += 1
     out.served.add(who)
     out.tokens += completion_tokens
+    out.prompt_tokens += prompt_tokens
     out.ttft.append(first - sent)
     out.e2e.append(last - sent)
     if completion_tokens > 1:
@@ -254,6 +267,7 @@ def report(args: argparse.Namespace, model: str, res: Results, elapsed: float, a
         ("clients / processes", f"{args.clients} / {client_processes(args)}"),
         ("clients that finished a request", str(len(res.served))),
         ("requests finished", str(res.finished)),
+        ("prompt tokens per finished request", f"{res.prompt_tokens / max(res.finished, 1):.1f}"),
         ("requests disconnected by clients", str(res.disconnected)),
         ("throughput (finished req/s)", f"{res.finished / elapsed:.2f}"),
         ("output tokens/s", f"{res.tokens / elapsed:.1f}"),
@@ -294,10 +308,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-cache-tokens", type=int, default=16384)
     p.add_argument("--max-waiting", type=int, default=256)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--input-len", type=int, default=0, help="prompts of this many random token ids through "
+                   "/v1/completions (default 0: short chat prompts)")
+    p.add_argument("--max-id", type=int, default=1000, help="random prompt ids are below this (keep it under the vocabulary)")
     p.add_argument("--processes", type=int, default=0, help="client processes (default: one per 16 clients, at most one per CPU)")
     args = p.parse_args(argv)
     if args.clients < 1 or args.duration <= 0 or not 0 <= args.disconnect_share <= 1 or args.processes < 0:
         p.error("need --clients >= 1, --duration > 0, --disconnect-share in [0, 1] and --processes >= 0")
+    if args.input_len < 0 or (args.input_len and args.max_id <= FIRST_RANDOM_ID):
+        p.error(f"need --input-len >= 0 and, with it, --max-id > {FIRST_RANDOM_ID}")
 
     if args.url:
         url = loopback_only(args.url)

@@ -70,11 +70,14 @@ def test_cpu_prefill_times_one_prompt_per_run_on_cpu() -> None:
     assert cpu_prefill.prompt(20, 1) != cpu_prefill.prompt(20, 2), "each run gets fresh tokens (no cache hits)"
 
 
-def test_serve_load_merges_the_clients_of_every_process() -> None:
+@pytest.mark.parametrize("input_len", [0, 24])
+def test_serve_load_merges_the_clients_of_every_process(input_len: int) -> None:
+    """Chat prompts from the pool, or (input_len) random token ids through /v1/completions."""
     pytest.importorskip("uvicorn")
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "serve_load.py"
     cmd = [sys.executable, str(script), "--model", model_dir("qwen3"), "--clients", "4", "--processes", "2"]
     cmd += ["--duration", "1.5", "--max-tokens", "6", "--disconnect-share", "0", "--max-batch-size", "4"]
+    cmd += ["--input-len", str(input_len), "--max-id", "400"]  # the fixture's vocabulary has 400 ids
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     rows = {k.strip(): v.strip() for k, _, v in (line.strip("| ").partition("|") for line in out.stdout.splitlines())}
@@ -84,3 +87,5 @@ def test_serve_load_merges_the_clients_of_every_process() -> None:
     assert float(rows["output tokens/s"]) > 0
     assert rows["errors by kind"] == "none"
     assert rows["after: running / waiting"] == "0 / 0"
+    if input_len:
+        assert rows["prompt tokens per finished request"] == f"{input_len:.1f}"
