@@ -3,6 +3,9 @@ WordLevel tokenizer of the full vocabulary size), for the GPU tests and benchmar
 
     python3 benchmarks/gpu_models.py OUT_DIR [smollm2 qwen3 llama1b llama3s qwen2 d64g5 ...]
 
+Each also gets a ChatML chat template, so `stepllm serve --model OUT_DIR/qwen3 --device cuda` serves chat requests
+(for load tests, with benchmarks/serve_load.py).
+
 The embedding (tied to the LM head) is scaled up so that logits are peaked and greedy choices are stable
 under bf16 rounding.
 """
@@ -37,6 +40,12 @@ for _name in GROUP_SHAPES:
     SHAPES[_name] = dict(arch="llama", hidden=128 * _g, layers=3, heads=2 * _g, kv=2, head_dim=_d, inter=1024, vocab=8192,
                          theta=10000.0, qk_scale=2.0)
 EMBED_SCALE = 8.0
+# ChatML, so that `stepllm serve` answers chat requests on these checkpoints (load tests: the WordLevel tokenizer
+# reads the template's words as t0, its unknown token).
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
 
 
 def make(name: str, out: Path, seed: int = 0) -> Path:
@@ -47,6 +56,7 @@ def make(name: str, out: Path, seed: int = 0) -> Path:
     s = SHAPES[name]
     path = out / name
     if (path / "model.safetensors").exists():
+        (path / "chat_template.jinja").write_text(CHAT_TEMPLATE)  # checkpoints made before it had none
         return path
     torch.manual_seed(seed)
     common = dict(
@@ -89,6 +99,7 @@ def make(name: str, out: Path, seed: int = 0) -> Path:
     tok.decoder = decoders.ByteLevel()
     tok.save(str(path / "tokenizer.json"))
     (path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "t0", "eos_token": "t1"}))
+    (path / "chat_template.jinja").write_text(CHAT_TEMPLATE)
     return path
 
 
