@@ -13,7 +13,8 @@ dataset sends), stream=True, greedy, EOS ignored so every finished request gener
 probability --disconnect-share it closes the connection after a random number of content chunks. New requests
 stop at --duration; requests still open then get --grace seconds to finish, after which they are abandoned.
 TTFT = request sent -> first content chunk; TPOT = (last chunk - first chunk) / (completion tokens - 1), finished
-requests only. Output tok/s counts the tokens of finished requests plus the chunks the disconnecting clients read.
+requests only. Output tok/s counts the tokens of finished requests (from the usage chunk) plus the content chunks
+the disconnecting clients read, which is a floor: a server that falls behind sends several tokens in one chunk.
 
 Each client has its own connection, and the clients are spread over --processes processes (default: one per 16
 clients, at most one per CPU) that start together. With one process and one shared connection pool the load
@@ -132,7 +133,7 @@ async def one_request(
                         chunks += 1
                 if hang_up_after is not None and chunks >= hang_up_after:
                     out.disconnected += 1
-                    out.tokens += chunks
+                    out.tokens += chunks  # at least one token a chunk (the usage chunk never comes)
                     return  # leaving the block closes the connection mid-stream
     except httpx.TimeoutException:
         out.errors["timeout"] += 1
