@@ -1,10 +1,10 @@
 """CPU prompt processing (prefill): stepllm vs llama.cpp on one GGUF, in one run.
 
-    python benchmarks/cpu_prefill.py [--gguf FILE] [--prompt 512] [--llama-cpp-python /path/to/python]
+    python benchmarks/cpu_prefill.py [--gguf FILE] [--prompt 512] [--dtypes f32,a8] [--llama-cpp-python /path/to/python]
 
 Each side processes one prompt of --prompt random tokens and produces its first token: stepllm through
-`LLM.generate(max_tokens=1)` with the whole prompt in one prefill step (f32 weights from the GGUF's blocks, exact),
-llama.cpp through llama-cpp-python's `eval` with the whole prompt in one batch (its quantized dot products: Q8
+`LLM.generate(max_tokens=1)` with the whole prompt in one prefill step, once per weight dtype (f32: the GGUF's
+blocks, exact; a8: the same blocks times 8-bit activations in integer dot products, as llama.cpp computes), llama.cpp through llama-cpp-python's `eval` with the whole prompt in one batch (its quantized dot products: Q8
 activations). Best of 3, each with fresh tokens (no cache hits), all threads of the machine. Without
 --llama-cpp-python only stepllm runs.
 """
@@ -24,10 +24,10 @@ def prompt(n: int, shift: int, vocab: int = 49152) -> list[int]:
     return [(1000 + 11 * j) % min(40000, vocab - 204) + 200 + shift for j in range(n)]
 
 
-def stepllm_seconds(model: str, n: int) -> float:
+def stepllm_seconds(model: str, n: int, dtype: str) -> float:
     import stepllm
 
-    llm = stepllm.LLM(model=model, device="cpu", kv_cache_tokens=n + 64, max_prefill_tokens=n)
+    llm = stepllm.LLM(model=model, device="cpu", kv_cache_tokens=n + 64, max_prefill_tokens=n, dtype=dtype)
     vocab = llm.info()["vocab_size"]
     first = stepllm.SamplingParams(max_tokens=1, temperature=0.0)
     llm.generate([prompt(16, 0, vocab)], first)  # warm-up
@@ -59,6 +59,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--gguf", default=None, help="a GGUF file (default: the default model)")
     p.add_argument("--prompt", type=int, default=512)
+    p.add_argument("--dtypes", default="f32", help="stepllm weight dtypes to run, comma-separated (f32, a8, ...)")
     p.add_argument("--llama-cpp-python", default=None, help="an interpreter with llama-cpp-python")
     p.add_argument("--only-llama-cpp", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -68,7 +69,8 @@ def main() -> None:
     import stepllm
 
     gguf = args.gguf or stepllm.default_model_path()
-    rows = [("stepllm f32", stepllm_seconds(gguf, args.prompt))]
+    dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
+    rows = [(f"stepllm {dtype}", stepllm_seconds(gguf, args.prompt, dtype)) for dtype in dtypes]
     if args.llama_cpp_python:
         cmd = [args.llama_cpp_python, __file__, "--only-llama-cpp", "--gguf", gguf, "--prompt", str(args.prompt)]
         out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1]

@@ -65,8 +65,9 @@ def test_exposed_spans_charge_overlaps_once_and_count_gaps_as_idle() -> None:
 def test_cpu_prefill_times_one_prompt_per_run_on_cpu() -> None:
     import cpu_prefill
 
-    seconds = cpu_prefill.stepllm_seconds(model_dir("llama"), 20)
-    assert 0.0 < seconds < 60.0
+    for dtype in ["f32", "a8"]:
+        seconds = cpu_prefill.stepllm_seconds(model_dir("llama"), 20, dtype)
+        assert 0.0 < seconds < 60.0
     assert cpu_prefill.prompt(20, 1) != cpu_prefill.prompt(20, 2), "each run gets fresh tokens (no cache hits)"
 
 

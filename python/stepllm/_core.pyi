@@ -443,7 +443,10 @@ class Config:
     "bf16" on CUDA], max_prefill_tokens [8192: the most prompt tokens one step computes; the engine and
     dispatch_request prefill prompts together up to it, and a longer prompt is computed in chunks of it over
     several steps (chunked prefill) while running requests keep decoding in the same forwards]. dtype is how weight matrices are kept: "f32" (exact), "bf16" (half the memory traffic)
-    or "int8" (per-row scales, a quarter; CPU only); the CPU computes in f32 whatever it is. kv_cache_dtype ["auto":
+    or "int8" (per-row scales, a quarter; CPU only), all computed in f32 on the CPU; or "a8" (CPU only): a GGUF's
+    integer levels as the file stores them (a float checkpoint's rounded to 8 bits per 32 weights, as Q8_0)
+    times activations rounded to 8 bits per 32 values, in integer dot products (llama.cpp's arithmetic; AVX-512
+    VNNI kernels, a slow portable path elsewhere). kv_cache_dtype ["auto":
     bf16 on CUDA, f32 on the CPU] is how the KV cache stores K and V: "fp8" (e4m3, unscaled, CUDA only) halves its
     memory and the bytes every decode step reads, at 3 mantissa bits of precision. model None means
     the default model (stepllm.models.default_model_path(), resolved when a runtime is built from this config)."""
@@ -457,7 +460,7 @@ class Config:
         max_model_len: int | None = None,
         context_cache: ContextCacheConfig | None = None,
         parallel: ParallelConfig | None = None,
-        dtype: Literal["f32", "bf16", "int8", "auto"] | None = None,
+        dtype: Literal["f32", "bf16", "int8", "a8", "auto"] | None = None,
         max_prefill_tokens: int | None = None,
         kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3"] | None = None,
     ) -> Config: ...
@@ -480,7 +483,7 @@ class Config:
     @property
     def parallel(self) -> ParallelConfig: ...
     @property
-    def dtype(self) -> Literal["f32", "bf16", "int8"] | None: ...
+    def dtype(self) -> Literal["f32", "bf16", "int8", "a8"] | None: ...
     @property
     def kv_cache_dtype(self) -> Literal["auto", "fp8"]: ...
     def __eq__(self, other: object, /) -> bool: ...

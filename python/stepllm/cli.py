@@ -92,8 +92,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--dtype",
         default=None,
-        choices=["f32", "bf16", "int8"],
-        help="how weights are kept: f32 (exact), bf16 or int8 (faster on the CPU, approximate); "
+        choices=["f32", "bf16", "int8", "a8"],
+        help="how weights are kept: f32 (exact), bf16 or int8 (faster on the CPU, approximate), a8 (a GGUF's "
+        "levels times 8-bit activations, llama.cpp's arithmetic: fastest on quantized GGUF files, CPU); "
         "default: the device's (f32 on the CPU, bf16 on CUDA)",
     )
     p.add_argument(

@@ -1,4 +1,4 @@
-//! The compact CPU weight dtypes (bf16, int8) on the tiny fixtures in tests/fixtures and the default model.
+//! The compact CPU weight dtypes (bf16, int8, a8) on the tiny fixtures in tests/fixtures and the default model.
 //!
 //! - Exactness of the kernels: a bf16 (int8) model computes what the exact f32 model computes over weights
 //!   rounded to bf16 (quantized to int8) beforehand, to f32 summation-order noise.
@@ -129,6 +129,17 @@ fn int8_weights_stay_close_to_transformers() {
     }
 }
 
+/// a8 rounds the weights to 8 bits per 32 and every matmul's activations to 8 bits per 32 values: finer weights
+/// than int8's one scale per row, coarser activations.
+#[test]
+fn a8_stays_close_to_transformers() {
+    let mut checked = 0;
+    for name in ["llama", "qwen2", "qwen3"] {
+        checked += compare(name, WeightDtype::A8, 1.2e-1).greedy_checked;
+    }
+    assert!(checked >= 60, "too few clear greedy tokens to mean anything ({checked})");
+}
+
 /// Every weight matrix of a checkpoint rounded as `dtype` stores it, widened back to f32; vectors untouched.
 struct Rounded<'a> {
     inner: &'a dyn WeightSource,
@@ -148,6 +159,7 @@ impl WeightSource for Rounded<'_> {
             match self.dtype {
                 WeightDtype::F32 => {}
                 WeightDtype::Bf16 => row.iter_mut().for_each(|w| *w = half::bf16::from_f32(*w).to_f32()),
+                WeightDtype::A8 => unreachable!("a8 rounds activations too: no f32 model computes it"),
                 WeightDtype::Int8 => {
                     // as the CPU backend quantizes: scale = max |w| / 127, q = round(w / scale)
                     let scale = row.iter().fold(0.0f32, |m, w| m.max(w.abs())) / 127.0;
@@ -236,7 +248,7 @@ fn cuda_refuses_cpu_only_dtypes() {
     let dir = fixture_dir("llama");
     let config = load_hf_config(&dir).unwrap();
     let weights = SafetensorsSource::open(&dir).unwrap();
-    for dtype in [WeightDtype::F32, WeightDtype::Int8] {
+    for dtype in [WeightDtype::F32, WeightDtype::Int8, WeightDtype::A8] {
         let err = build_runner_with(&config, &weights, Device::Cuda(0), Some(dtype)).err().expect("refused");
         assert!(matches!(err, Error::InvalidRequest(_)) && err.to_string().contains("bf16"), "{err}");
     }
@@ -244,7 +256,7 @@ fn cuda_refuses_cpu_only_dtypes() {
 
 #[test]
 fn dtype_names_parse() {
-    for dtype in [WeightDtype::F32, WeightDtype::Bf16, WeightDtype::Int8] {
+    for dtype in [WeightDtype::F32, WeightDtype::Bf16, WeightDtype::Int8, WeightDtype::A8] {
         assert_eq!(WeightDtype::parse(dtype.name()).unwrap(), dtype);
     }
     assert!(matches!(WeightDtype::parse("fp8"), Err(Error::InvalidRequest(_))));

@@ -280,7 +280,7 @@ impl PyConfig {
     fn parallel(&self) -> PyParallelConfig {
         PyParallelConfig(self.inner.parallel.clone())
     }
-    /// "f32", "bf16", "int8", or None for the device's default (f32 on the CPU, bf16 on CUDA).
+    /// "f32", "bf16", "int8", "a8", or None for the device's default (f32 on the CPU, bf16 on CUDA).
     #[getter]
     fn dtype(&self) -> Option<&'static str> {
         self.inner.dtype.map(WeightDtype::name)

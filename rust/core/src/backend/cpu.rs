@@ -5,10 +5,12 @@
 use super::batch::BatchPlan;
 use super::cpu_attention::{self, CpuKvCache};
 use super::cpu_kernels::{for_each_row, rms_norm_row, silu, PARALLEL_ELEMENTS};
+use super::cpu_matmul_a8::{self, A8Matrix};
 use super::cpu_matmul::{matmul_transposed, pack_bf16, pack_blocks, pack_f32, pack_int8, BlockMatrix, Kernels, Weights};
 use super::{AttentionShape, Backend, KvCacheDtype, KvCacheShape};
 use crate::error::{invalid, Error, Result};
 use crate::model::loader::HostTensor;
+use crate::model::WeightDtype;
 use rayon::prelude::*;
 
 /// How the CPU backend keeps weight matrices (linear layers and the embedding table) in memory. Norm
@@ -23,6 +25,19 @@ pub enum CpuWeightFormat {
     Bf16,
     /// Symmetric int8 with one f32 scale per weight row: a quarter of the bytes, coarser still.
     Int8,
+    /// Integer levels times activations rounded to 8 bits: integer dot products (`cpu_matmul_a8`).
+    A8,
+}
+
+impl From<WeightDtype> for CpuWeightFormat {
+    fn from(dtype: WeightDtype) -> Self {
+        match dtype {
+            WeightDtype::F32 => CpuWeightFormat::F32,
+            WeightDtype::Bf16 => CpuWeightFormat::Bf16,
+            WeightDtype::Int8 => CpuWeightFormat::Int8,
+            WeightDtype::A8 => CpuWeightFormat::A8,
+        }
+    }
 }
 
 impl CpuWeightFormat {
@@ -31,6 +46,7 @@ impl CpuWeightFormat {
             CpuWeightFormat::F32 => "f32",
             CpuWeightFormat::Bf16 => "bf16",
             CpuWeightFormat::Int8 => "int8",
+            CpuWeightFormat::A8 => "a8",
         }
     }
 }
@@ -97,6 +113,7 @@ enum MatrixStorage {
     F32(Vec<f32>),
     Bf16(Vec<u16>),
     Int8 { values: Vec<i8>, scales: Vec<f32> },
+    A8(A8Matrix),
     /// The f32 format's weights, exactly, as the integer blocks of the file (`cpu_matmul::pack_blocks`).
     Blocks(BlockMatrix),
 }
@@ -108,6 +125,7 @@ impl MatrixStorage {
             MatrixStorage::Bf16(data) => 2 * data.len(),
             MatrixStorage::Int8 { values, scales } => values.len() + 4 * scales.len(),
             MatrixStorage::Blocks(blocks) => blocks.bytes(),
+            MatrixStorage::A8(matrix) => matrix.bytes(),
         }
     }
 }
@@ -121,22 +139,30 @@ impl CpuMatrix {
         self.cols
     }
 
+    /// The matmul kernels' view of the weights (the `a8` format has kernels of its own).
     fn weights(&self) -> Weights<'_> {
         match &self.storage {
             MatrixStorage::F32(data) => Weights::F32(data),
             MatrixStorage::Bf16(data) => Weights::Bf16(data),
             MatrixStorage::Int8 { values, scales } => Weights::Int8 { values, scales },
             MatrixStorage::Blocks(blocks) => blocks.weights(),
+            MatrixStorage::A8(_) => unreachable!("a8 matrices go to cpu_matmul_a8"),
         }
     }
 
     fn copy_row(&self, r: usize, out: &mut [f32]) {
-        self.weights().row_to_f32(r, out)
+        match &self.storage {
+            MatrixStorage::A8(matrix) => matrix.row_to_f32(r, out),
+            _ => self.weights().row_to_f32(r, out),
+        }
     }
 
     /// `out[m, rows] = x[m, cols] · selfᵀ`.
     fn multiply_transposed(&self, x: &[f32], m: usize, out: &mut [f32]) {
-        matmul_transposed(x, self.weights(), out, m, self.cols, self.rows)
+        match &self.storage {
+            MatrixStorage::A8(matrix) => cpu_matmul_a8::matmul(x, matrix, out, m, self.rows),
+            _ => matmul_transposed(x, self.weights(), out, m, self.cols, self.rows),
+        }
     }
 }
 
@@ -153,6 +179,7 @@ impl Backend for CpuBackend {
     fn description(&self) -> String {
         let weights = match self.weight_format {
             CpuWeightFormat::F32 => "f32".to_string(),
+            CpuWeightFormat::A8 => format!("a8: integer weights times 8-bit activations, {:?} kernel", cpu_matmul_a8::A8Kernel::detect()),
             other => format!("{} weights, f32 compute", other.name()),
         };
         format!("cpu ({weights}, {} threads, {} kernels)", rayon::current_num_threads(), Kernels::detect().name())
@@ -179,6 +206,11 @@ impl Backend for CpuBackend {
                 let (values, scales) = pack_int8(&host.values(), rows, cols);
                 MatrixStorage::Int8 { values, scales }
             }
+            // A width that is no multiple of the activations' groups of 32 (tiny test models) stays exact.
+            CpuWeightFormat::A8 => match A8Matrix::pack(&host, rows, cols) {
+                Some(matrix) => MatrixStorage::A8(matrix),
+                None => MatrixStorage::F32(pack_f32(&host.values(), rows, cols)),
+            },
         };
         Ok(CpuMatrix { rows, cols, storage })
     }

@@ -88,7 +88,7 @@ impl Levels<'_> {
 
 impl Constants<'_> {
     /// The scale and minimum of weight row `c` at column `p` (of `k`), in groups of `group`.
-    fn get(self, c: usize, p: usize, k: usize, group: usize) -> (f32, f32) {
+    pub(super) fn get(self, c: usize, p: usize, k: usize, group: usize) -> (f32, f32) {
         let at = block_param_index(c, p, k, group);
         match self {
             Constants::F16 { scales, mins } => (f16_to_f32(scales[at]), mins.get(at).map_or(-0.0, |&m| f16_to_f32(m))),
@@ -239,14 +239,7 @@ impl BlockMatrix {
             BlockLevels::Bytes(values) => values.len(),
             BlockLevels::Nibbles { values, .. } => values.len(),
         };
-        levels
-            + match &self.constants {
-                BlockConstants::F16 { scales, mins } => 2 * (scales.len() + mins.len()),
-                BlockConstants::F32 { scales, mins } => 4 * (scales.len() + mins.len()),
-                BlockConstants::Factored { scale_factors, scale_steps, min_factors, min_steps, .. } => {
-                    4 * (scale_factors.len() + min_factors.len()) + scale_steps.len() + min_steps.len()
-                }
-            }
+        levels + self.constants.bytes()
     }
 
     pub fn weights(&self) -> Weights<'_> {
@@ -254,14 +247,38 @@ impl BlockMatrix {
             BlockLevels::Bytes(values) => Levels::Bytes(values),
             BlockLevels::Nibbles { values, signed } => Levels::Nibbles { values, signed: *signed },
         };
-        let constants = match &self.constants {
+        Weights::Blocks(BlockWeights { levels, constants: self.constants.view(), group: self.group })
+    }
+}
+
+impl BlockConstants {
+    pub fn view(&self) -> Constants<'_> {
+        match self {
             BlockConstants::F16 { scales, mins } => Constants::F16 { scales, mins },
             BlockConstants::F32 { scales, mins } => Constants::F32 { scales, mins },
             BlockConstants::Factored { scale_factors, scale_steps, min_factors, min_steps, super_group } => {
                 Constants::Factored { scale_factors, scale_steps, min_factors, min_steps, super_group: *super_group }
             }
-        };
-        Weights::Blocks(BlockWeights { levels, constants, group: self.group })
+        }
+    }
+
+    pub fn bytes(&self) -> usize {
+        match self {
+            BlockConstants::F16 { scales, mins } => 2 * (scales.len() + mins.len()),
+            BlockConstants::F32 { scales, mins } => 4 * (scales.len() + mins.len()),
+            BlockConstants::Factored { scale_factors, scale_steps, min_factors, min_steps, .. } => {
+                4 * (scale_factors.len() + min_factors.len()) + scale_steps.len() + min_steps.len()
+            }
+        }
+    }
+
+    /// Whether minimums are stored (none where every one is -0.0).
+    pub fn has_mins(&self) -> bool {
+        match self {
+            BlockConstants::F16 { mins, .. } => !mins.is_empty(),
+            BlockConstants::F32 { mins, .. } => !mins.is_empty(),
+            BlockConstants::Factored { min_steps, .. } => !min_steps.is_empty(),
+        }
     }
 }
 
@@ -295,7 +312,7 @@ pub fn pack_blocks(data: &[f32], blocks: &HostBlocks, n: usize, k: usize) -> Opt
 }
 
 /// A group's constants at [`block_param_index`], as f16 bit patterns when every one is an f16 value.
-fn pack_constants(blocks: &HostBlocks, n: usize, k: usize) -> BlockConstants {
+pub(super) fn pack_constants(blocks: &HostBlocks, n: usize, k: usize) -> BlockConstants {
     let (group, per_row) = (blocks.group, k / blocks.group);
     fn place<T: Copy + Default>(mut values: impl Iterator<Item = T>, n: usize, k: usize, group: usize) -> Vec<T> {
         let mut out = vec![T::default(); padded_rows(n) * (k / group)];
@@ -477,7 +494,7 @@ pub fn matmul_with(kernels: Kernels, x: &[f32], w: Weights, out: &mut [f32], m: 
 /// Split output columns `0..n` into chunks of whole panels run in parallel; `f(out, c0, c1)` computes
 /// columns `c0..c1` of every row. Each chunk reads only its own panels, so the weight streams through memory
 /// once whatever the number of rows.
-fn for_column_chunks(out: &mut [f32], m: usize, k: usize, n: usize, f: impl Fn(*mut f32, usize, usize) + Sync) {
+pub(super) fn for_column_chunks(out: &mut [f32], m: usize, k: usize, n: usize, f: impl Fn(*mut f32, usize, usize) + Sync) {
     let threads = rayon::current_num_threads();
     if threads == 1 || n <= PANEL || m * n * k < PARALLEL_MACS {
         f(out.as_mut_ptr(), 0, n);
@@ -678,14 +695,6 @@ mod tests {
         (GgmlType::IQ4_XS, "bytes", "factored", 32, false),
     ];
 
-    fn stores_mins(blocks: &BlockMatrix) -> bool {
-        match &blocks.constants {
-            BlockConstants::F16 { mins, .. } => !mins.is_empty(),
-            BlockConstants::F32 { mins, .. } => !mins.is_empty(),
-            BlockConstants::Factored { min_steps, .. } => !min_steps.is_empty(),
-        }
-    }
-
     fn constants_kind(blocks: &BlockMatrix) -> &'static str {
         match blocks.constants {
             BlockConstants::F16 { .. } => "f16",
@@ -726,7 +735,7 @@ mod tests {
                     assert_eq!(levels_kind(&blocks), kind, "{what}: levels");
                     assert_eq!(constants_kind(&blocks), constants, "{what}: constants");
                     assert_eq!(blocks.group, group, "{what}: group");
-                    assert_eq!(stores_mins(&blocks), mins, "{what}: minimums stored");
+                    assert_eq!(blocks.constants.has_mins(), mins, "{what}: minimums stored");
                     let (mut ours, mut exact) = (vec![f32::NAN; m * n], vec![f32::NAN; m * n]);
                     matmul_with(kernels, &x, blocks.weights(), &mut ours, m, k, n);
                     matmul_with(kernels, &x, Weights::F32(&pack_f32(&w.data, n, k)), &mut exact, m, k, n);

@@ -27,7 +27,7 @@ pub unsafe fn panels(_: bool, _: &[f32], _: Weights, _: *mut f32, _: usize, _: u
 #[cfg(target_arch = "x86_64")]
 mod imp {
     use super::super::cpu_matmul::{BlockWeights, Constants, Levels, PANEL};
-    use super::super::cpu_simd::{Avx2, Avx512, Bf16, Blocks, Constant, Factored, Format, GroupConstants, Int8, Isa, Nibbles, Stored, F32};
+    use super::super::cpu_simd::{Avx2, Avx512, Bf16, Blocks, Factored, Format, GroupConstants, Int8, Isa, Nibbles, Stored, F32};
     use super::Weights;
     use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
 
@@ -55,24 +55,14 @@ mod imp {
             Weights::Bf16(w) => run_on(wide, Bf16, x, w.as_ptr(), out, at),
             Weights::Int8 { values, scales } => run_on(wide, Int8(scales.as_ptr()), x, values.as_ptr(), out, at),
             Weights::Blocks(BlockWeights { levels, constants, group }) => match constants {
-                Constants::F16 { scales, mins } => blocks_on(wide, levels, Blocks { constants: stored(scales, mins), group }, x, out, at),
-                Constants::F32 { scales, mins } => blocks_on(wide, levels, Blocks { constants: stored(scales, mins), group }, x, out, at),
+                Constants::F16 { scales, mins } => blocks_on(wide, levels, Blocks { constants: Stored::new(scales, mins), group }, x, out, at),
+                Constants::F32 { scales, mins } => blocks_on(wide, levels, Blocks { constants: Stored::new(scales, mins), group }, x, out, at),
                 Constants::Factored { scale_factors, scale_steps, min_factors, min_steps, super_group } => {
-                    let factored = Factored {
-                        scale_factors: scale_factors.as_ptr(),
-                        scale_steps: scale_steps.as_ptr(),
-                        min_factors: min_factors.as_ptr(),
-                        min_steps: if min_steps.is_empty() { std::ptr::null() } else { min_steps.as_ptr() },
-                        super_group,
-                    };
+                    let factored = Factored::new(scale_factors, scale_steps, min_factors, min_steps, super_group);
                     blocks_on(wide, levels, Blocks { constants: factored, group }, x, out, at)
                 }
             },
         }
-    }
-
-    fn stored<C: Constant>(scales: &[C], mins: &[C]) -> Stored<C> {
-        Stored { scales: scales.as_ptr(), mins: if mins.is_empty() { std::ptr::null() } else { mins.as_ptr() } }
     }
 
     /// # Safety

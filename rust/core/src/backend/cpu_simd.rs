@@ -313,6 +313,12 @@ mod imp {
         pub mins: *const C,
     }
 
+    impl<C: Constant> Stored<C> {
+        pub fn new(scales: &[C], mins: &[C]) -> Self {
+            Stored { scales: scales.as_ptr(), mins: if mins.is_empty() { std::ptr::null() } else { mins.as_ptr() } }
+        }
+    }
+
     impl<C: Constant> GroupConstants for Stored<C> {
         #[inline(always)]
         unsafe fn get<I: Isa>(self, c: usize, p: usize, k: usize, group: usize) -> (I::V, I::V) {
@@ -332,6 +338,18 @@ mod imp {
         pub min_factors: *const f32,
         pub min_steps: *const i8,
         pub super_group: usize,
+    }
+
+    impl Factored {
+        pub fn new(scale_factors: &[f32], scale_steps: &[i8], min_factors: &[f32], min_steps: &[i8], super_group: usize) -> Self {
+            Factored {
+                scale_factors: scale_factors.as_ptr(),
+                scale_steps: scale_steps.as_ptr(),
+                min_factors: min_factors.as_ptr(),
+                min_steps: if min_steps.is_empty() { std::ptr::null() } else { min_steps.as_ptr() },
+                super_group,
+            }
+        }
     }
 
     impl GroupConstants for Factored {

@@ -13,6 +13,7 @@ mod cpu_attention;
 mod cpu_attention_kernels;
 mod cpu_kernels;
 mod cpu_matmul;
+mod cpu_matmul_a8;
 mod cpu_matmul_x86;
 mod cpu_simd;
 

@@ -27,12 +27,7 @@ pub fn build_runner_with(
 ) -> Result<Box<dyn ModelRunner>> {
     match (device, dtype) {
         (Device::Cpu, Some(dtype)) => {
-            let format = match dtype {
-                WeightDtype::F32 => CpuWeightFormat::F32,
-                WeightDtype::Bf16 => CpuWeightFormat::Bf16,
-                WeightDtype::Int8 => CpuWeightFormat::Int8,
-            };
-            cpu_runner(format, config, weights)
+            cpu_runner(CpuWeightFormat::from(dtype), config, weights)
         }
         (Device::Cuda(_), Some(dtype)) if dtype != WeightDtype::Bf16 => Err(Error::InvalidRequest(format!(
             "the CUDA backend computes in bf16 only; dtype {:?} is for the CPU (use dtype \"bf16\" or leave it unset)",

@@ -26,6 +26,9 @@ pub enum WeightDtype {
     Bf16,
     /// int8 with one scale per weight row (CPU only).
     Int8,
+    /// Integer levels (a GGUF's own, else 8-bit per 32 weights) times activations rounded to 8 bits per 32
+    /// values: integer dot products, llama.cpp's arithmetic (CPU only).
+    A8,
 }
 
 impl WeightDtype {
@@ -34,7 +37,8 @@ impl WeightDtype {
             "f32" | "float32" => Ok(Self::F32),
             "bf16" | "bfloat16" => Ok(Self::Bf16),
             "int8" => Ok(Self::Int8),
-            other => crate::error::invalid(format!("unknown dtype {other:?}; use \"f32\", \"bf16\" or \"int8\"")),
+            "a8" => Ok(Self::A8),
+            other => crate::error::invalid(format!("unknown dtype {other:?}; use \"f32\", \"bf16\", \"int8\" or \"a8\"")),
         }
     }
 
@@ -43,6 +47,7 @@ impl WeightDtype {
             Self::F32 => "f32",
             Self::Bf16 => "bf16",
             Self::Int8 => "int8",
+            Self::A8 => "a8",
         }
     }
 }

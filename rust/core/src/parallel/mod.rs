@@ -164,11 +164,7 @@ fn load_cpu_ranks(
     collective: &Arc<Collective>,
     faults: &[Arc<AtomicU8>],
 ) -> Result<Vec<Box<dyn ModelRunner>>> {
-    let format = match dtype.unwrap_or(WeightDtype::F32) {
-        WeightDtype::F32 => CpuWeightFormat::F32,
-        WeightDtype::Bf16 => CpuWeightFormat::Bf16,
-        WeightDtype::Int8 => CpuWeightFormat::Int8,
-    };
+    let format = CpuWeightFormat::from(dtype.unwrap_or(WeightDtype::F32));
     let mut runners: Vec<Box<dyn ModelRunner>> = Vec::with_capacity(faults.len());
     for (rank, fault) in faults.iter().enumerate() {
         let hooks = CpuRankHooks(RankLink { rank, collective: Arc::clone(collective), fault: Arc::clone(fault) });
