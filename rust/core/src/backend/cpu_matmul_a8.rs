@@ -2,17 +2,19 @@
 //! GGUF's integer levels with their scale and minimum per group of 16 or 32 (a float checkpoint's are rounded to
 //! 8-bit levels with an f16 scale per 32 weights, as Q8_0 would); each matmul rounds its activations to 8 bits
 //! per 32 values (scale `max |x| / 127`). A group's dot product is then a sum of integer products, exact in i32,
-//! which AVX-512 VNNI does 64 at a time (`vpdpbusd`) where the exact format spends a widening and two fused
-//! multiply-adds per weight. The cost is precision: activations carry about 7 bits, as in llama.cpp.
+//! which AVX-512 VNNI does 64 at a time (`vpdpbusd`; AVX2 in three instructions per 32) where the exact format
+//! spends a widening and two fused multiply-adds per weight. The cost is precision: activations carry about 7 bits,
+//! as in llama.cpp.
 //!
 //! Per row `r`, column `c` and weight group `g` (activation scale `a` of the 32 values holding it):
 //! `out += float(Σ u·xq − offset·Σ xq) · (scale · a)`, then `out += min · (a · float(Σ xq))` where minimums are
 //! stored, with `u = level + offset ≥ 0` the stored unsigned level. Every kernel does these same f32 operations in
-//! the same order, so the VNNI kernel equals the portable one bit for bit (the tests check it).
+//! the same order, so the AVX2 and VNNI kernels equal the portable one bit for bit (the tests check it).
 //!
 //! Levels sit in the matmul's column panels ([`PANEL`] columns), grouped for the dot-product instruction: each
 //! quad of 4 k steps holds 4 consecutive levels per column, `4 * j + t` for column `j` and step `t`. Levels of
-//! 0..=15 take nibbles (column `j` in the low half of its byte, `j + PANEL / 2` in the high one), others bytes.
+//! 0..=15 take nibbles (column `j` in the low half of its byte, `j + PANEL / 2` in the high one); levels of 0..=63
+//! (5- and 6-bit formats) nibbles plus their top two bits packed after them ([`Layout::Split`]); others bytes.
 
 use rayon::prelude::*;
 
@@ -29,7 +31,7 @@ const QUAD: usize = 4;
 #[derive(Debug, Clone)]
 pub struct A8Matrix {
     levels: Vec<u8>,
-    nibbles: bool,
+    layout: Layout,
     /// Added to every level so that it is stored unsigned (the dot-product instruction's weight operand).
     offset: i32,
     constants: BlockConstants,
@@ -56,14 +58,16 @@ impl A8Matrix {
             }
         };
         let (lowest, highest) = blocks.levels.par_chunks(1 << 14).map(range).reduce(|| (i8::MAX, i8::MIN), |a, b| (a.0.min(b.0), a.1.max(b.1)));
-        let (nibbles, offset) = match (lowest, highest) {
-            (0.., ..=15) => (true, 0),
-            (-8.., ..=7) => (true, 8),
-            (0.., _) => (false, 0),
-            _ => (false, 128),
+        let (layout, offset) = match (lowest, highest) {
+            (0.., ..=15) => (Layout::Nibbles, 0),
+            (-8.., ..=7) => (Layout::Nibbles, 8),
+            (0.., ..=63) => (Layout::Split, 0),
+            (-32.., ..=31) => (Layout::Split, 32),
+            (0.., _) => (Layout::Bytes, 0),
+            _ => (Layout::Bytes, 128),
         };
-        let levels = pack_levels(&blocks.levels, n, k, nibbles, offset);
-        Some(A8Matrix { levels, nibbles, offset, constants: pack_constants(blocks, n, k), group: blocks.group, k })
+        let levels = pack_levels(&blocks.levels, n, k, layout, offset);
+        Some(A8Matrix { levels, layout, offset, constants: pack_constants(blocks, n, k), group: blocks.group, k })
     }
 
     pub fn bytes(&self) -> usize {
@@ -72,22 +76,22 @@ impl A8Matrix {
 
     /// Stored bytes of one quad of a panel: 32 columns of 4 levels.
     fn quad_bytes(&self) -> usize {
-        if self.nibbles {
-            PANEL * QUAD / 2
-        } else {
-            PANEL * QUAD
-        }
+        self.layout.quad_bytes()
     }
 
     /// The stored (unsigned) level of weight `(c, p)`.
     fn stored_level(&self, c: usize, p: usize) -> i32 {
         let (panel, j, quad, t) = (c / PANEL, c % PANEL, p / QUAD, p % QUAD);
-        let quads = self.k / QUAD;
-        if self.nibbles {
-            let byte = self.levels[(panel * quads + quad) * self.quad_bytes() + QUAD * (j % (PANEL / 2)) + t];
-            (if j >= PANEL / 2 { byte >> 4 } else { byte & 0x0F }) as i32
-        } else {
-            self.levels[(panel * quads + quad) * self.quad_bytes() + QUAD * j + t] as i32
+        let stored = &self.levels[(panel * self.k / QUAD + quad) * self.quad_bytes()..][..self.quad_bytes()];
+        let (half, position) = (j / (PANEL / 2), QUAD * (j % (PANEL / 2)) + t);
+        let low = (stored[position] >> (4 * half)) & 0x0F;
+        match self.layout {
+            Layout::Bytes => stored[QUAD * j + t] as i32,
+            Layout::Nibbles => low as i32,
+            Layout::Split => {
+                let top = (stored[PANEL * QUAD / 2 + position % 32] >> (2 * (position / 32) + 4 * half)) & 3;
+                (low | top << 4) as i32
+            }
         }
     }
 
@@ -97,6 +101,34 @@ impl A8Matrix {
         for (p, o) in out.iter_mut().enumerate() {
             let (scale, min) = constants.get(r, p, self.k, self.group);
             *o = ((self.stored_level(r, p) - self.offset) as f32).mul_add(scale, min);
+        }
+    }
+}
+
+/// How stored levels are packed, by their range (layouts as const generic parameters of the kernels).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+enum Layout {
+    /// 0..=15: a nibble each, 64 bytes a quad.
+    Nibbles = NIBBLES,
+    /// 0..=63: the low 4 bits as nibbles, then 32 bytes of their top 2 bits: byte `b` holds those of vector
+    /// position `b` (bits 0-1) and `b + 32` (bits 2-3) of columns 0..16, and the same of columns 16..32 (bits 4-7),
+    /// position `4 * (j % 16) + t` (96 bytes a quad, where bytes took 128).
+    Split = SPLIT,
+    /// A byte each, 128 bytes a quad.
+    Bytes = BYTES,
+}
+
+const NIBBLES: u8 = 0;
+const SPLIT: u8 = 1;
+const BYTES: u8 = 2;
+
+impl Layout {
+    fn quad_bytes(self) -> usize {
+        match self {
+            Layout::Nibbles => PANEL * QUAD / 2,
+            Layout::Split => PANEL * QUAD / 2 + PANEL * QUAD / 4,
+            Layout::Bytes => PANEL * QUAD,
         }
     }
 }
@@ -123,24 +155,29 @@ fn round_to_8_bits(values: &[f32], n: usize, k: usize) -> HostBlocks {
 
 /// The row-major `[n, k]` `levels` plus `offset` in quads of 4 steps per column (see the module comment); rows
 /// past `n` are level 0 (their constants are 0 too).
-fn pack_levels(levels: &[i8], n: usize, k: usize, nibbles: bool, offset: i32) -> Vec<u8> {
-    let quad_bytes = if nibbles { PANEL * QUAD / 2 } else { PANEL * QUAD };
+fn pack_levels(levels: &[i8], n: usize, k: usize, layout: Layout, offset: i32) -> Vec<u8> {
+    let quad_bytes = layout.quad_bytes();
     let panel_bytes = quad_bytes * k / QUAD;
     let padding = vec![0i8; k];
     let row = |r: usize| if r < n { &levels[r * k..(r + 1) * k] } else { &padding[..] };
     let mut out = vec![0u8; padded_rows(n) / PANEL * panel_bytes];
     out.par_chunks_mut(panel_bytes).enumerate().for_each(|(panel, dst)| {
-        for j in 0..PANEL {
-            let stored = row(panel * PANEL + j).iter().map(|&q| (q as i32 + offset) as u8);
-            for (p, u) in stored.enumerate() {
-                let quad = &mut dst[p / QUAD * quad_bytes..][..quad_bytes];
-                let t = p % QUAD;
-                if !nibbles {
-                    quad[QUAD * j + t] = u;
-                } else if j < PANEL / 2 {
-                    quad[QUAD * j + t] |= u;
-                } else {
-                    quad[QUAD * (j - PANEL / 2) + t] |= u << 4;
+        let rows: [&[i8]; PANEL] = std::array::from_fn(|j| row(panel * PANEL + j));
+        for (quad, stored) in dst.chunks_exact_mut(quad_bytes).enumerate() {
+            for (j, levels) in rows.iter().enumerate() {
+                let levels = &levels[quad * QUAD..(quad + 1) * QUAD];
+                let unsigned = |t: usize| (levels[t] as i32 + offset) as u8;
+                let half = j / (PANEL / 2);
+                for t in 0..QUAD {
+                    let (u, position) = (unsigned(t), QUAD * (j % (PANEL / 2)) + t);
+                    match layout {
+                        Layout::Bytes => stored[QUAD * j + t] = u,
+                        Layout::Nibbles => stored[position] |= u << (4 * half),
+                        Layout::Split => {
+                            stored[position] |= (u & 0x0F) << (4 * half);
+                            stored[PANEL * QUAD / 2 + position % 32] |= (u >> 4) << (2 * (position / 32) + 4 * half);
+                        }
+                    }
                 }
             }
         }
@@ -183,25 +220,33 @@ fn round_rows(x: &[f32], m: usize, k: usize, group: usize) -> RoundedRows {
     rounded
 }
 
-/// Which kernel runs an `a8` matmul.
+/// Which kernel runs an `a8` matmul: the best this CPU has, within what `STEPLLM_CPU_KERNELS` allows (see
+/// `cpu_matmul::Kernels`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum A8Kernel {
-    /// Plain Rust, one product at a time: the reference, and the path of CPUs without AVX-512 VNNI.
+    /// Plain Rust, one product at a time: the reference, and the path of CPUs without AVX2.
     Portable,
+    /// AVX2's byte multiply-adds into pairs of i16.
+    Avx2,
+    /// AVX-512 VNNI's `vpdpbusd`.
     Vnni,
 }
 
 impl A8Kernel {
     pub fn detect() -> A8Kernel {
-        if Kernels::detect() == Kernels::Avx512 && x86::vnni_available() {
-            A8Kernel::Vnni
-        } else {
-            A8Kernel::Portable
+        match Kernels::detect() {
+            Kernels::Avx512 if x86::vnni_available() => A8Kernel::Vnni,
+            Kernels::Avx512 | Kernels::Avx2 => A8Kernel::Avx2,
+            Kernels::Portable => A8Kernel::Portable,
         }
     }
 
+    /// Every kernel this CPU can run, slowest first.
     pub fn supported() -> Vec<A8Kernel> {
         let mut all = vec![A8Kernel::Portable];
+        if Kernels::supported().contains(&Kernels::Avx2) {
+            all.push(A8Kernel::Avx2);
+        }
         if Kernels::supported().contains(&Kernels::Avx512) && x86::vnni_available() {
             all.push(A8Kernel::Vnni);
         }
@@ -227,8 +272,8 @@ pub fn matmul_with(kernel: A8Kernel, x: &[f32], w: &A8Matrix, out: &mut [f32], m
     for_column_chunks(out, m, k, n, |out, c0, c1| match kernel {
         // SAFETY: chunks write disjoint columns of `out`, which holds m * n values (asserted).
         A8Kernel::Portable => unsafe { portable_columns(w, &rows, out, m, n, c0, c1) },
-        // SAFETY: as above; the CPU has AVX-512 VNNI (asserted) and the weight covers `..c1` (asserted).
-        A8Kernel::Vnni => unsafe { x86::vnni_columns(w, &rows, out, m, n, c0, c1) },
+        // SAFETY: as above; the CPU runs `kernel` (asserted) and the weight covers `..c1` (asserted).
+        A8Kernel::Avx2 | A8Kernel::Vnni => unsafe { x86::columns(kernel, w, &rows, out, m, n, c0, c1) },
     });
 }
 
@@ -264,7 +309,7 @@ mod x86 {
         false
     }
 
-    pub unsafe fn vnni_columns(_: &super::A8Matrix, _: &super::RoundedRows, _: *mut f32, _: usize, _: usize, _: usize, _: usize) {
+    pub unsafe fn columns(_: super::A8Kernel, _: &super::A8Matrix, _: &super::RoundedRows, _: *mut f32, _: usize, _: usize, _: usize, _: usize) {
         unreachable!("x86 kernels off x86_64")
     }
 }
@@ -272,8 +317,8 @@ mod x86 {
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use super::super::cpu_matmul::{Constants, PANEL};
-    use super::super::cpu_simd::{Avx512, Factored, GroupConstants, Isa, Stored};
-    use super::{A8Matrix, RoundedRows, ACTIVATION_GROUP, QUAD};
+    use super::super::cpu_simd::{Avx2, Avx512, Factored, GroupConstants, Isa, Stored};
+    use super::{A8Kernel, A8Matrix, Layout, RoundedRows, ACTIVATION_GROUP, BYTES, NIBBLES, QUAD, SPLIT};
     use std::arch::x86_64::*;
 
     pub fn vnni_available() -> bool {
@@ -296,36 +341,68 @@ mod x86 {
         group: usize,
         k: usize,
         rows: &'a RoundedRows,
+        /// The first output column of the tile, and how many of its columns exist.
         column: usize,
         valid: usize,
         out: *mut f32,
         n: usize,
     }
 
-    /// Columns `c0..c1` (`c0` a multiple of PANEL) of every row.
+    /// Columns `c0..c1` (`c0` a multiple of PANEL) of every row, with `kernel` (Vnni or Avx2).
     ///
     /// # Safety
-    /// The CPU must have AVX-512 VNNI; `w` must cover the panels of `..c1`; `out` writable at `r * n + c` for
+    /// The CPU must run `kernel`; `w` must cover the panels of `..c1`; `out` writable at `r * n + c` for
     /// r < m, c0 <= c < c1.
-    pub unsafe fn vnni_columns(w: &A8Matrix, rows: &RoundedRows, out: *mut f32, m: usize, n: usize, c0: usize, c1: usize) {
-        match w.constants.view() {
-            Constants::F16 { scales, mins } => columns(w, Stored::new(scales, mins), rows, out, m, n, c0, c1),
-            Constants::F32 { scales, mins } => columns(w, Stored::new(scales, mins), rows, out, m, n, c0, c1),
-            Constants::Factored { scale_factors, scale_steps, min_factors, min_steps, super_group } => {
-                columns(w, Factored::new(scale_factors, scale_steps, min_factors, min_steps, super_group), rows, out, m, n, c0, c1)
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn columns(kernel: A8Kernel, w: &A8Matrix, rows: &RoundedRows, out: *mut f32, m: usize, n: usize, c0: usize, c1: usize) {
+        let at = Span { m, n, c0, c1 };
+        match (kernel, w.constants.view()) {
+            (A8Kernel::Vnni, Constants::F16 { scales, mins }) => vnni(w, Stored::new(scales, mins), rows, out, at),
+            (A8Kernel::Vnni, Constants::F32 { scales, mins }) => vnni(w, Stored::new(scales, mins), rows, out, at),
+            (A8Kernel::Vnni, Constants::Factored { scale_factors, scale_steps, min_factors, min_steps, super_group }) => {
+                vnni(w, Factored::new(scale_factors, scale_steps, min_factors, min_steps, super_group), rows, out, at)
+            }
+            (_, Constants::F16 { scales, mins }) => avx2(w, Stored::new(scales, mins), rows, out, at),
+            (_, Constants::F32 { scales, mins }) => avx2(w, Stored::new(scales, mins), rows, out, at),
+            (_, Constants::Factored { scale_factors, scale_steps, min_factors, min_steps, super_group }) => {
+                avx2(w, Factored::new(scale_factors, scale_steps, min_factors, min_steps, super_group), rows, out, at)
             }
         }
     }
 
-    #[allow(clippy::too_many_arguments)]
+    #[derive(Clone, Copy)]
+    struct Span {
+        m: usize,
+        n: usize,
+        c0: usize,
+        c1: usize,
+    }
+
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
-    unsafe fn columns<S: GroupConstants>(w: &A8Matrix, constants: S, rows: &RoundedRows, out: *mut f32, m: usize, n: usize, c0: usize, c1: usize) {
+    unsafe fn vnni<S: GroupConstants>(w: &A8Matrix, constants: S, rows: &RoundedRows, out: *mut f32, at: Span) {
+        tiles::<Vnni, S>(w, constants, rows, out, at)
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn avx2<S: GroupConstants>(w: &A8Matrix, constants: S, rows: &RoundedRows, out: *mut f32, at: Span) {
+        tiles::<Avx2Dot, S>(w, constants, rows, out, at)
+    }
+
+    /// An instruction set's tiles: `COLUMNS` output columns of up to a few rows each.
+    trait Dot {
+        const COLUMNS: usize;
+        /// Tiles over the next `rows` (or fewer) rows from `row`; returns how many rows it did.
+        unsafe fn tile<S: GroupConstants>(t: &Tile<S>, row: usize, rows: usize, layout: Layout) -> usize;
+    }
+
+    #[inline(always)]
+    unsafe fn tiles<D: Dot, S: GroupConstants>(w: &A8Matrix, constants: S, rows: &RoundedRows, out: *mut f32, at: Span) {
         let panel_bytes = w.quad_bytes() * w.k / QUAD;
         let mut row0 = 0;
-        while row0 < m {
-            let row_end = (row0 + ROW_PANEL).min(m);
-            let mut c = c0;
-            while c < c1 {
+        while row0 < at.m {
+            let row_end = (row0 + ROW_PANEL).min(at.m);
+            let mut c = at.c0;
+            while c < at.c1 {
                 let tile = Tile {
                     panel: w.levels.as_ptr().add(c / PANEL * panel_bytes),
                     quad_bytes: w.quad_bytes(),
@@ -336,95 +413,251 @@ mod x86 {
                     k: w.k,
                     rows,
                     column: c,
-                    valid: (c1 - c).min(PANEL),
+                    valid: (at.c1 - c).min(D::COLUMNS),
                     out,
-                    n,
+                    n: at.n,
                 };
                 let mut r = row0;
                 while r < row_end {
-                    r += match (row_end - r, w.nibbles) {
-                        (4.., true) => tile.run::<4, 1, true>(r),
-                        (3, true) => tile.run::<3, 1, true>(r),
-                        (2, true) => tile.run::<2, 2, true>(r),
-                        (_, true) => tile.run::<1, 2, true>(r),
-                        (4.., false) => tile.run::<4, 1, false>(r),
-                        (3, false) => tile.run::<3, 1, false>(r),
-                        (2, false) => tile.run::<2, 2, false>(r),
-                        (_, false) => tile.run::<1, 2, false>(r),
-                    };
+                    r += D::tile(&tile, r, row_end - r, w.layout);
                 }
-                c += PANEL;
+                c += D::COLUMNS;
             }
             row0 = row_end;
         }
     }
 
     impl<S: GroupConstants> Tile<'_, S> {
-        /// The panel's two vectors of 16 columns for the quad at k step `p`, as unsigned bytes.
+        /// The quad of k step `p` (4 levels per column), prefetching ahead.
         #[inline(always)]
-        unsafe fn weights<const NIBBLES: bool>(&self, p: usize) -> (__m512i, __m512i) {
+        unsafe fn quad(&self, p: usize) -> *const u8 {
             let at = self.panel.add(p / QUAD * self.quad_bytes);
             _mm_prefetch::<_MM_HINT_T0>(at.wrapping_add(PREFETCH_BYTES).cast());
-            if NIBBLES {
-                let bytes = _mm512_loadu_si512(at.cast());
-                let low = _mm512_set1_epi8(0x0F);
-                (_mm512_and_si512(bytes, low), _mm512_and_si512(_mm512_srli_epi16::<4>(bytes), low))
-            } else {
+            if self.quad_bytes > 64 {
                 _mm_prefetch::<_MM_HINT_T0>(at.wrapping_add(PREFETCH_BYTES + 64).cast());
-                (_mm512_loadu_si512(at.cast()), _mm512_loadu_si512(at.add(64).cast()))
+            }
+            at
+        }
+
+        /// Row `i`'s 4 activation levels at k step `p`, in every 32-bit lane.
+        #[inline(always)]
+        unsafe fn activations(&self, i: usize, p: usize) -> i32 {
+            self.rows.levels.as_ptr().add(i * self.k + p).cast::<i32>().read_unaligned()
+        }
+
+        /// The scales and minimums of the group at `p0`, for the tile's vectors of columns.
+        #[inline(always)]
+        unsafe fn constants<I: Isa>(&self, p0: usize) -> [(I::V, I::V); 2] {
+            let get = |v: usize| self.constants.get::<I>(self.column + v * I::LANES, p0, self.k, self.group);
+            [get(0), get(1)]
+        }
+
+        /// Fold the group at `p0` of row `i` into `acc`, its f32 sums of columns with these `(scale, min)`: the
+        /// module comment's two steps, where `dot(offset × Σ xq)` gives the group's integer dot products, that
+        /// taken off, as f32.
+        #[inline(always)]
+        unsafe fn fold<I: Isa<V = V>, V: Copy>(&self, i: usize, p0: usize, (scale, min): (V, V), dot: impl Fn(i32) -> V, acc: V) -> V {
+            let (k, group) = (self.k, self.group);
+            let sum = self.rows.sums[i * (k / group) + p0 / group];
+            let a = self.rows.scales[(i * k + p0) / ACTIVATION_GROUP];
+            let acc = I::fma(dot(self.offset * sum), I::mul(scale, I::splat(a)), acc);
+            if self.has_mins {
+                I::fma(min, I::splat(a * sum as f32), acc)
+            } else {
+                acc
             }
         }
 
-        /// Rows `row..row + R` of the panel's columns; U independent sums per output (short tiles) keep enough
-        /// dot products in flight. Returns R.
+        /// Store row `i`'s sums of `LANES` columns from `column` (clipped to the tile's valid columns).
         #[inline(always)]
-        unsafe fn run<const R: usize, const U: usize, const NIBBLES: bool>(&self, row: usize) -> usize {
-            let (k, group) = (self.k, self.group);
-            let groups = k / group;
-            let levels: [*const u8; R] = std::array::from_fn(|i| self.rows.levels.as_ptr().add((row + i) * k).cast());
+        unsafe fn store<I: Isa>(&self, i: usize, column: usize, sums: I::V) {
+            let count = (self.column + self.valid).saturating_sub(column).min(I::LANES);
+            let dst = self.out.add(i * self.n + column);
+            if count == I::LANES {
+                I::store(dst, sums);
+            } else if count > 0 {
+                let mut lanes = [0.0f32; 16];
+                I::store(lanes.as_mut_ptr(), sums);
+                std::ptr::copy_nonoverlapping(lanes.as_ptr(), dst, count);
+            }
+        }
+    }
+
+    /// AVX-512 VNNI: a whole panel (two vectors of 16 columns) per tile, `vpdpbusd` summing 4 products per lane.
+    struct Vnni;
+
+    impl Dot for Vnni {
+        const COLUMNS: usize = PANEL;
+
+        #[inline(always)]
+        unsafe fn tile<S: GroupConstants>(t: &Tile<S>, row: usize, rows: usize, layout: Layout) -> usize {
+            match layout {
+                Layout::Nibbles => t.vnni_rows::<NIBBLES>(row, rows),
+                Layout::Split => t.vnni_rows::<SPLIT>(row, rows),
+                Layout::Bytes => t.vnni_rows::<BYTES>(row, rows),
+            }
+        }
+    }
+
+    impl<S: GroupConstants> Tile<'_, S> {
+        #[inline(always)]
+        unsafe fn vnni_rows<const L: u8>(&self, row: usize, rows: usize) -> usize {
+            match rows {
+                4.. => self.vnni::<4, 1, L>(row),
+                3 => self.vnni::<3, 1, L>(row),
+                2 => self.vnni::<2, 2, L>(row),
+                _ => self.vnni::<1, 2, L>(row),
+            }
+        }
+
+        /// The panel's two vectors of 16 columns of the quad at `at`, as unsigned bytes.
+        #[inline(always)]
+        unsafe fn vnni_weights<const L: u8>(at: *const u8) -> (__m512i, __m512i) {
+            if L == BYTES {
+                return (_mm512_loadu_si512(at.cast()), _mm512_loadu_si512(at.add(64).cast()));
+            }
+            let bytes = _mm512_loadu_si512(at.cast());
+            let low = _mm512_set1_epi8(0x0F);
+            let (w0, w1) = (_mm512_and_si512(bytes, low), _mm512_and_si512(_mm512_srli_epi16::<4>(bytes), low));
+            if L == NIBBLES {
+                return (w0, w1);
+            }
+            // Both halves of the register see the 32 bytes of top bits; the first half takes bits 0-1 (4-5 for
+            // the second vector) of each, the second half bits 2-3 (6-7), moved to bits 4-5 of the byte.
+            let top = _mm512_broadcast_i64x4(_mm256_loadu_si256(at.add(64).cast()));
+            let shifts = _mm512_inserti64x4::<1>(_mm512_set1_epi16(4), _mm256_set1_epi16(2));
+            let bits = _mm512_set1_epi8(0x30);
+            let top0 = _mm512_and_si512(_mm512_sllv_epi16(top, shifts), bits);
+            let top1 = _mm512_and_si512(_mm512_sllv_epi16(_mm512_srli_epi16::<4>(top), shifts), bits);
+            (_mm512_or_si512(w0, top0), _mm512_or_si512(w1, top1))
+        }
+
+        /// Rows `row..row + R`; U independent sums per output (short tiles) keep enough dot products in flight.
+        #[inline(always)]
+        unsafe fn vnni<const R: usize, const U: usize, const L: u8>(&self, row: usize) -> usize {
             let mut acc = [[_mm512_setzero_ps(); 2]; R];
-            for g in 0..groups {
-                let p0 = g * group;
+            for p0 in (0..self.k).step_by(self.group) {
                 let mut dots = [[[_mm512_setzero_si512(); U]; 2]; R];
-                let mut p = p0;
-                while p < p0 + group {
+                for p in (p0..p0 + self.group).step_by(U * QUAD) {
                     for u in 0..U {
-                        let (w0, w1) = self.weights::<NIBBLES>(p + u * QUAD);
+                        let (w0, w1) = Self::vnni_weights::<L>(self.quad(p + u * QUAD));
                         for (i, dots) in dots.iter_mut().enumerate() {
-                            let x = _mm512_set1_epi32(levels[i].add(p + u * QUAD).cast::<i32>().read_unaligned());
+                            let x = _mm512_set1_epi32(self.activations(row + i, p + u * QUAD));
                             dots[0][u] = _mm512_dpbusd_epi32(dots[0][u], w0, x);
                             dots[1][u] = _mm512_dpbusd_epi32(dots[1][u], w1, x);
                         }
                     }
-                    p += U * QUAD;
                 }
-                let (s0, m0) = self.constants.get::<Avx512>(self.column, p0, k, group);
-                let (s1, m1) = self.constants.get::<Avx512>(self.column + 16, p0, k, group);
+                let constants = self.constants::<Avx512>(p0);
                 for (i, acc) in acc.iter_mut().enumerate() {
-                    let sum = self.rows.sums[(row + i) * groups + g];
-                    let a = self.rows.scales[((row + i) * k + p0) / ACTIVATION_GROUP];
-                    let correction = _mm512_set1_epi32(self.offset * sum);
-                    let scaled = Avx512::splat(a);
-                    for (v, (scale, min)) in [(s0, m0), (s1, m1)].into_iter().enumerate() {
-                        let mut dot = dots[i][v][0];
-                        for part in &dots[i][v][1..] {
-                            dot = _mm512_add_epi32(dot, *part);
-                        }
-                        let dot = _mm512_cvtepi32_ps(_mm512_sub_epi32(dot, correction));
-                        acc[v] = Avx512::fma(dot, Avx512::mul(scale, scaled), acc[v]);
-                        if self.has_mins {
-                            acc[v] = Avx512::fma(min, Avx512::splat(a * sum as f32), acc[v]);
-                        }
+                    for (v, acc) in acc.iter_mut().enumerate() {
+                        let dot = dots[i][v][1..].iter().fold(dots[i][v][0], |d, part| _mm512_add_epi32(d, *part));
+                        let corrected = |offset| _mm512_cvtepi32_ps(_mm512_sub_epi32(dot, _mm512_set1_epi32(offset)));
+                        *acc = self.fold::<Avx512, _>(row + i, p0, constants[v], corrected, *acc);
                     }
                 }
             }
             for (i, acc) in acc.iter().enumerate() {
-                let out = self.out.add((row + i) * self.n + self.column);
-                for (v, sum) in acc.iter().enumerate() {
-                    let count = self.valid.saturating_sub(v * 16).min(16);
-                    if count > 0 {
-                        _mm512_mask_storeu_ps(out.add(v * 16), ((1u32 << count) - 1) as u16, *sum);
+                for (v, sums) in acc.iter().enumerate() {
+                    self.store::<Avx512>(row + i, self.column + 16 * v, *sums);
+                }
+            }
+            R
+        }
+    }
+
+    /// AVX2: half a panel (two vectors of 8 columns) per tile. `vpmaddubsw` multiplies unsigned levels by signed
+    /// activations into pairs of i16, `vpmaddwd` sums those pairs into the 4-product lane sums VNNI would give.
+    /// 4-bit levels sum in i16 over a whole group (8 quads of at most 2 × 15 × 127 each fit), 6-bit ones in i32 after
+    /// every quad; 8-bit levels stored
+    /// with offset 128 would overflow a pair, so they multiply as signed levels (their magnitude by the
+    /// activation's sign-adjusted value), which leaves no offset to take off.
+    struct Avx2Dot;
+
+    impl Dot for Avx2Dot {
+        const COLUMNS: usize = PANEL / 2;
+
+        #[inline(always)]
+        unsafe fn tile<S: GroupConstants>(t: &Tile<S>, row: usize, rows: usize, layout: Layout) -> usize {
+            match (rows, layout, t.offset) {
+                (2.., Layout::Nibbles, _) => t.avx2::<2, NIBBLES, false>(row),
+                (_, Layout::Nibbles, _) => t.avx2::<1, NIBBLES, false>(row),
+                (2.., Layout::Split, _) => t.avx2::<2, SPLIT, false>(row),
+                (_, Layout::Split, _) => t.avx2::<1, SPLIT, false>(row),
+                (2.., Layout::Bytes, 128) => t.avx2::<2, BYTES, true>(row),
+                (_, Layout::Bytes, 128) => t.avx2::<1, BYTES, true>(row),
+                (2.., Layout::Bytes, _) => t.avx2::<2, BYTES, false>(row),
+                (_, Layout::Bytes, _) => t.avx2::<1, BYTES, false>(row),
+            }
+        }
+    }
+
+    impl<S: GroupConstants> Tile<'_, S> {
+        /// Columns `16 * half..16 * half + 16` of the quad at `at`, as two vectors of unsigned bytes.
+        #[inline(always)]
+        unsafe fn avx2_weights<const L: u8>(at: *const u8, half: usize) -> [__m256i; 2] {
+            if L == BYTES {
+                let at = at.add(64 * half);
+                return [_mm256_loadu_si256(at.cast()), _mm256_loadu_si256(at.add(32).cast())];
+            }
+            let shift = _mm_cvtsi32_si128(4 * half as i32);
+            let low = _mm256_set1_epi8(0x0F);
+            let nibbles = |at: *const u8| _mm256_and_si256(_mm256_srl_epi16(_mm256_loadu_si256(at.cast()), shift), low);
+            let (w0, w1) = (nibbles(at), nibbles(at.add(32)));
+            if L == NIBBLES {
+                return [w0, w1];
+            }
+            // The first vector (positions 0..32) takes bits 0-1 of each top byte, the second bits 2-3 (4-7 for
+            // the panel's second half), moved to bits 4-5.
+            let top = _mm256_srl_epi16(_mm256_loadu_si256(at.add(64).cast()), shift);
+            let bits = _mm256_set1_epi8(0x30);
+            let top0 = _mm256_and_si256(_mm256_slli_epi16::<4>(top), bits);
+            let top1 = _mm256_and_si256(_mm256_slli_epi16::<2>(top), bits);
+            [_mm256_or_si256(w0, top0), _mm256_or_si256(w1, top1)]
+        }
+
+        #[inline(always)]
+        unsafe fn avx2<const R: usize, const L: u8, const SIGNED: bool>(&self, row: usize) -> usize {
+            debug_assert!(self.offset == 128 || !SIGNED);
+            let half = self.column % PANEL / (PANEL / 2);
+            let ones = _mm256_set1_epi16(1);
+            let mut acc = [[_mm256_setzero_ps(); 2]; R];
+            for p0 in (0..self.k).step_by(self.group) {
+                let mut dots = [[_mm256_setzero_si256(); 2]; R];
+                for p in (p0..p0 + self.group).step_by(QUAD) {
+                    let at = self.quad(p);
+                    let weights = Self::avx2_weights::<L>(at, half);
+                    for (i, dots) in dots.iter_mut().enumerate() {
+                        let x = _mm256_set1_epi32(self.activations(row + i, p));
+                        for (dot, w) in dots.iter_mut().zip(weights) {
+                            *dot = if L == NIBBLES {
+                                _mm256_add_epi16(*dot, _mm256_maddubs_epi16(w, x))
+                            } else if SIGNED {
+                                let level = _mm256_xor_si256(w, _mm256_set1_epi8(-128));
+                                let pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(level), _mm256_sign_epi8(x, level));
+                                _mm256_add_epi32(*dot, _mm256_madd_epi16(pairs, ones))
+                            } else {
+                                _mm256_add_epi32(*dot, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), ones))
+                            };
+                        }
                     }
+                }
+                let constants = self.constants::<Avx2>(p0);
+                for (i, acc) in acc.iter_mut().enumerate() {
+                    for (v, acc) in acc.iter_mut().enumerate() {
+                        let dot = if L == NIBBLES { _mm256_madd_epi16(dots[i][v], ones) } else { dots[i][v] };
+                        // Signed levels were multiplied as they are: the offset is already off.
+                        let corrected = |offset| {
+                            let offset = if SIGNED { 0 } else { offset };
+                            _mm256_cvtepi32_ps(_mm256_sub_epi32(dot, _mm256_set1_epi32(offset)))
+                        };
+                        *acc = self.fold::<Avx2, _>(row + i, p0, constants[v], corrected, *acc);
+                    }
+                }
+            }
+            for (i, acc) in acc.iter().enumerate() {
+                for (v, sums) in acc.iter().enumerate() {
+                    self.store::<Avx2>(row + i, self.column + 8 * v, *sums);
                 }
             }
             R
@@ -494,11 +727,22 @@ mod tests {
     /// Row counts that take every tile height and cross a row panel; column counts with a partial panel.
     const SHAPES: [(usize, usize); 6] = [(1, 96), (2, 40), (3, 33), (4, 64), (5, 7), (70, 65)];
 
+    /// The layout each type's levels take: 4-bit ones nibbles, 5- and 6-bit ones split, IQ4's codebook and 8-bit
+    /// ones bytes.
+    fn layout_of(ty: GgmlType) -> Layout {
+        match ty {
+            GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q2_K | GgmlType::Q3_K | GgmlType::Q4_K => Layout::Nibbles,
+            GgmlType::Q5_0 | GgmlType::Q5_1 | GgmlType::Q5_K | GgmlType::Q6_K => Layout::Split,
+            _ => Layout::Bytes,
+        }
+    }
+
     #[test]
     fn rows_come_back_as_the_files_values() {
         for ty in TYPES {
             let host = quantized(ty, 40, 512, 3);
             let matrix = A8Matrix::pack(&host, 40, 512).unwrap();
+            assert_eq!(matrix.layout, layout_of(ty), "{ty:?}");
             let mut row = vec![0.0; 512];
             for r in 0..40 {
                 matrix.row_to_f32(r, &mut row);
@@ -511,6 +755,7 @@ mod tests {
     #[test]
     fn every_kernel_equals_the_portable_one_bit_for_bit() {
         let kernels = A8Kernel::supported();
+        assert!(!cfg!(target_arch = "x86_64") || !is_x86_feature_detected!("avx2") || kernels.contains(&A8Kernel::Avx2));
         assert!(!cfg!(target_arch = "x86_64") || !is_x86_feature_detected!("avx512vnni") || kernels.contains(&A8Kernel::Vnni));
         for ty in TYPES {
             for (m, n) in SHAPES {
@@ -555,7 +800,7 @@ mod tests {
         let data = activations(n, k, 5);
         let host = HostTensor { shape: vec![n, k], data: data.clone(), blocks: None };
         let matrix = A8Matrix::pack(&host, n, k).unwrap();
-        assert!(!matrix.nibbles && matrix.offset == 128 && matrix.group == 32);
+        assert!(matrix.layout == Layout::Bytes && matrix.offset == 128 && matrix.group == 32);
         let mut row = vec![0.0; k];
         for r in 0..n {
             matrix.row_to_f32(r, &mut row);
