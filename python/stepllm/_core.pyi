@@ -446,7 +446,7 @@ class Config:
     or "int8" (per-row scales, a quarter; CPU only), all computed in f32 on the CPU; or "a8" (CPU only): a GGUF's
     integer levels as the file stores them (a float checkpoint's rounded to 8 bits per 32 weights, as Q8_0)
     times activations rounded to 8 bits per 32 values, in integer dot products (llama.cpp's arithmetic; AVX-512
-    VNNI kernels, a slow portable path elsewhere). kv_cache_dtype ["auto":
+    VNNI or AVX2 kernels). kv_cache_dtype ["auto":
     bf16 on CUDA, f32 on the CPU] is how the KV cache stores K and V: "fp8" (e4m3, unscaled, CUDA only) halves its
     memory and the bytes every decode step reads, at 3 mantissa bits of precision. model None means
     the default model (stepllm.models.default_model_path(), resolved when a runtime is built from this config)."""
