@@ -2,11 +2,12 @@
 in one run.
 
     python benchmarks/cpu_decode.py [--peer-python /path/to/python-with-transformers] [--batch-sizes 1,8]
-                                    [--dtypes f32,bf16,int8] [--llama-cpp-python /path/to/python-with-llama-cpp]
+                                    [--dtypes f32,bf16,int8,a8] [--llama-cpp-python /path/to/python-with-llama-cpp]
 
 Both run SmolLM2-135M-Instruct from the same Q4_1 GGUF (transformers dequantizes it to f32 on load), greedy,
 a 32-token prompt, 64 new tokens (EOS ignored), all threads of the machine. stepllm runs once per weight dtype:
-f32 (exact, like transformers), bf16 and int8 (weights rounded on load; f32 activations and accumulation).
+f32 (exact, like transformers), bf16 and int8 (weights rounded on load; f32 activations and accumulation), a8
+(the GGUF's blocks times activations rounded to 8 bits, integer dot products: llama.cpp's arithmetic).
 tok/s = generated tokens / wall time of the whole generate call (prefill included), best of --repeats.
 transformers runs in this interpreter when it can be imported, else under --peer-python (it needs torch,
 transformers and gguf); without either, only stepllm's rows are printed. With --llama-cpp-python (an interpreter
