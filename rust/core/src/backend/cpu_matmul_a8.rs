@@ -503,7 +503,9 @@ mod x86 {
         #[inline(always)]
         unsafe fn vnni_rows<const L: u8>(&self, row: usize, rows: usize) -> usize {
             match rows {
-                4.. => self.vnni::<4, 1, L>(row),
+                6.. => self.vnni::<6, 1, L>(row),
+                5 => self.vnni::<5, 1, L>(row),
+                4 => self.vnni::<4, 1, L>(row),
                 3 => self.vnni::<3, 1, L>(row),
                 2 => self.vnni::<2, 2, L>(row),
                 _ => self.vnni::<1, 2, L>(row),
