@@ -445,11 +445,10 @@ mod x86 {
             self.rows.levels.as_ptr().add(i * self.k + p).cast::<i32>().read_unaligned()
         }
 
-        /// The scales and minimums of the group at `p0`, for the tile's vectors of columns.
+        /// The scales and minimums of the group at `p0`, for N vectors of columns from `column`.
         #[inline(always)]
-        unsafe fn constants<I: Isa>(&self, p0: usize) -> [(I::V, I::V); 2] {
-            let get = |v: usize| self.constants.get::<I>(self.column + v * I::LANES, p0, self.k, self.group);
-            [get(0), get(1)]
+        unsafe fn constants<I: Isa, const N: usize>(&self, p0: usize, column: usize) -> [(I::V, I::V); N] {
+            std::array::from_fn(|v| self.constants.get::<I>(column + v * I::LANES, p0, self.k, self.group))
         }
 
         /// Fold the group at `p0` of row `i` into `acc`, its f32 sums of columns with these `(scale, min)`: the
@@ -550,7 +549,7 @@ mod x86 {
                         }
                     }
                 }
-                let constants = self.constants::<Avx512>(p0);
+                let constants = self.constants::<Avx512, 2>(p0, self.column);
                 for (i, acc) in acc.iter_mut().enumerate() {
                     for (v, acc) in acc.iter_mut().enumerate() {
                         let dot = dots[i][v][1..].iter().fold(dots[i][v][0], |d, part| _mm512_add_epi32(d, *part));
@@ -577,19 +576,15 @@ mod x86 {
     struct Avx2Dot;
 
     impl Dot for Avx2Dot {
-        const COLUMNS: usize = PANEL / 2;
+        const COLUMNS: usize = PANEL;
 
         #[inline(always)]
         unsafe fn tile<S: GroupConstants>(t: &Tile<S>, row: usize, rows: usize, layout: Layout) -> usize {
-            match (rows, layout, t.offset) {
-                (2.., Layout::Nibbles, _) => t.avx2::<2, NIBBLES, false>(row),
-                (_, Layout::Nibbles, _) => t.avx2::<1, NIBBLES, false>(row),
-                (2.., Layout::Split, _) => t.avx2::<2, SPLIT, false>(row),
-                (_, Layout::Split, _) => t.avx2::<1, SPLIT, false>(row),
-                (2.., Layout::Bytes, 128) => t.avx2::<2, BYTES, true>(row),
-                (_, Layout::Bytes, 128) => t.avx2::<1, BYTES, true>(row),
-                (2.., Layout::Bytes, _) => t.avx2::<2, BYTES, false>(row),
-                (_, Layout::Bytes, _) => t.avx2::<1, BYTES, false>(row),
+            match (layout, t.offset) {
+                (Layout::Nibbles, _) => t.avx2_rows::<NIBBLES, false>(row, rows),
+                (Layout::Split, _) => t.avx2_rows::<SPLIT, false>(row, rows),
+                (Layout::Bytes, 128) => t.avx2_rows::<BYTES, true>(row, rows),
+                (Layout::Bytes, _) => t.avx2_rows::<BYTES, false>(row, rows),
             }
         }
     }
@@ -618,17 +613,31 @@ mod x86 {
             [_mm256_or_si256(w0, top0), _mm256_or_si256(w1, top1)]
         }
 
+        /// One row takes the whole panel (4 vectors of 8 columns) per tile, so each quad is unpacked once; two
+        /// rows take it in halves, which is what 16 registers hold.
         #[inline(always)]
-        unsafe fn avx2<const R: usize, const L: u8, const SIGNED: bool>(&self, row: usize) -> usize {
+        unsafe fn avx2_rows<const L: u8, const SIGNED: bool>(&self, row: usize, rows: usize) -> usize {
+            if rows == 1 {
+                self.avx2::<1, 4, L, SIGNED>(row, 0)
+            } else {
+                self.avx2::<2, 2, L, SIGNED>(row, 0);
+                self.avx2::<2, 2, L, SIGNED>(row, 1)
+            }
+        }
+
+        /// Rows `row..row + R` of V vectors of 8 columns from the panel's half `half0`.
+        #[inline(always)]
+        unsafe fn avx2<const R: usize, const V: usize, const L: u8, const SIGNED: bool>(&self, row: usize, half0: usize) -> usize {
             debug_assert!(self.offset == 128 || !SIGNED);
-            let half = self.column % PANEL / (PANEL / 2);
+            let column = self.column + half0 * PANEL / 2;
             let ones = _mm256_set1_epi16(1);
-            let mut acc = [[_mm256_setzero_ps(); 2]; R];
+            let mut acc = [[_mm256_setzero_ps(); V]; R];
             for p0 in (0..self.k).step_by(self.group) {
-                let mut dots = [[_mm256_setzero_si256(); 2]; R];
+                let mut dots = [[_mm256_setzero_si256(); V]; R];
                 for p in (p0..p0 + self.group).step_by(QUAD) {
                     let at = self.quad(p);
-                    let weights = Self::avx2_weights::<L>(at, half);
+                    let halves: [[__m256i; 2]; 2] = std::array::from_fn(|h| if 2 * h < V { Self::avx2_weights::<L>(at, half0 + h) } else { [_mm256_setzero_si256(); 2] });
+                    let weights: [__m256i; V] = std::array::from_fn(|v| halves[v / 2][v % 2]);
                     for (i, dots) in dots.iter_mut().enumerate() {
                         let x = _mm256_set1_epi32(self.activations(row + i, p));
                         for (dot, w) in dots.iter_mut().zip(weights) {
@@ -644,7 +653,7 @@ mod x86 {
                         }
                     }
                 }
-                let constants = self.constants::<Avx2>(p0);
+                let constants = self.constants::<Avx2, V>(p0, column);
                 for (i, acc) in acc.iter_mut().enumerate() {
                     for (v, acc) in acc.iter_mut().enumerate() {
                         let dot = if L == NIBBLES { _mm256_madd_epi16(dots[i][v], ones) } else { dots[i][v] };
@@ -659,7 +668,7 @@ mod x86 {
             }
             for (i, acc) in acc.iter().enumerate() {
                 for (v, sums) in acc.iter().enumerate() {
-                    self.store::<Avx2>(row + i, self.column + 8 * v, *sums);
+                    self.store::<Avx2>(row + i, column + 8 * v, *sums);
                 }
             }
             R
