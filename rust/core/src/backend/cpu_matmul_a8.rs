@@ -448,7 +448,12 @@ mod x86 {
         /// The scales and minimums of the group at `p0`, for N vectors of columns from `column`.
         #[inline(always)]
         unsafe fn constants<I: Isa, const N: usize>(&self, p0: usize, column: usize) -> [(I::V, I::V); N] {
-            std::array::from_fn(|v| self.constants.get::<I>(column + v * I::LANES, p0, self.k, self.group))
+            // A loop, not `array::from_fn`: its closure would not be inlined into the kernel's target features.
+            let mut constants = [(I::zero(), I::zero()); N];
+            for (v, c) in constants.iter_mut().enumerate() {
+                *c = self.constants.get::<I>(column + v * I::LANES, p0, self.k, self.group);
+            }
+            constants
         }
 
         /// Fold the group at `p0` of row `i` into `acc`, its f32 sums of columns with these `(scale, min)`: the
@@ -636,8 +641,10 @@ mod x86 {
                 let mut dots = [[_mm256_setzero_si256(); V]; R];
                 for p in (p0..p0 + self.group).step_by(QUAD) {
                     let at = self.quad(p);
-                    let halves: [[__m256i; 2]; 2] = std::array::from_fn(|h| if 2 * h < V { Self::avx2_weights::<L>(at, half0 + h) } else { [_mm256_setzero_si256(); 2] });
-                    let weights: [__m256i; V] = std::array::from_fn(|v| halves[v / 2][v % 2]);
+                    let mut weights = [_mm256_setzero_si256(); V];
+                    for (h, pair) in weights.chunks_exact_mut(2).enumerate() {
+                        pair.copy_from_slice(&Self::avx2_weights::<L>(at, half0 + h));
+                    }
                     for (i, dots) in dots.iter_mut().enumerate() {
                         let x = _mm256_set1_epi32(self.activations(row + i, p));
                         for (dot, w) in dots.iter_mut().zip(weights) {
