@@ -93,8 +93,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         "--dtype",
         default=None,
         choices=["f32", "bf16", "int8", "a8"],
-        help="how weights are kept: f32 (exact), bf16 or int8 (faster on the CPU, approximate), a8 (a GGUF's "
-        "levels times 8-bit activations, llama.cpp's arithmetic: fastest on quantized GGUF files, CPU); "
+        help="how weights are kept: f32 (exact), bf16 or int8 (faster on the CPU, approximate), a8 (integer "
+        "levels times 8-bit activations, llama.cpp's arithmetic: the fastest CPU format, approximate); "
         "default: the device's (f32 on the CPU, bf16 on CUDA)",
     )
     p.add_argument(
