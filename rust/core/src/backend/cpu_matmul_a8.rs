@@ -79,20 +79,14 @@ impl A8Matrix {
         self.layout.quad_bytes()
     }
 
+    /// The stored bytes of quad `quad` of panel `panel`.
+    fn quad(&self, panel: usize, quad: usize) -> &[u8] {
+        &self.levels[(panel * self.k / QUAD + quad) * self.quad_bytes()..][..self.quad_bytes()]
+    }
+
     /// The stored (unsigned) level of weight `(c, p)`.
     fn stored_level(&self, c: usize, p: usize) -> i32 {
-        let (panel, j, quad, t) = (c / PANEL, c % PANEL, p / QUAD, p % QUAD);
-        let stored = &self.levels[(panel * self.k / QUAD + quad) * self.quad_bytes()..][..self.quad_bytes()];
-        let (half, position) = (j / (PANEL / 2), QUAD * (j % (PANEL / 2)) + t);
-        let low = (stored[position] >> (4 * half)) & 0x0F;
-        match self.layout {
-            Layout::Bytes => stored[QUAD * j + t] as i32,
-            Layout::Nibbles => low as i32,
-            Layout::Split => {
-                let top = (stored[PANEL * QUAD / 2 + position % 32] >> (2 * (position / 32) + 4 * half)) & 3;
-                (low | top << 4) as i32
-            }
-        }
+        self.layout.level(self.quad(c / PANEL, p / QUAD), c % PANEL, p % QUAD) as i32
     }
 
     /// Row `r` as f32 (an embedding lookup): `level * scale + min`.
@@ -124,6 +118,18 @@ const SPLIT: u8 = 1;
 const BYTES: u8 = 2;
 
 impl Layout {
+    /// The stored level of column `j` (of the panel) at step `t` of a quad's bytes `stored`.
+    #[inline(always)]
+    fn level(self, stored: &[u8], j: usize, t: usize) -> u8 {
+        let (half, position) = (j / (PANEL / 2), QUAD * (j % (PANEL / 2)) + t);
+        let low = (stored[position] >> (4 * half)) & 0x0F;
+        match self {
+            Layout::Bytes => stored[QUAD * j + t],
+            Layout::Nibbles => low,
+            Layout::Split => low | ((stored[PANEL * QUAD / 2 + position % 32] >> (2 * (position / 32) + 4 * half)) & 3) << 4,
+        }
+    }
+
     fn quad_bytes(self) -> usize {
         match self {
             Layout::Nibbles => PANEL * QUAD / 2,
@@ -277,28 +283,50 @@ pub fn matmul_with(kernel: A8Kernel, x: &[f32], w: &A8Matrix, out: &mut [f32], m
     });
 }
 
+/// Plain Rust: each panel's levels and constants are unpacked once (column-major, so each column's group is one
+/// slice), and every row's group dot products multiply and sum i16 slices, which compilers vectorize. On x86 it is
+/// the reference the SIMD kernels are checked against, on other CPUs their only kernel.
+///
 /// # Safety
 /// `out` must be writable at `r * n + c` for r < m, c0 <= c < c1.
 unsafe fn portable_columns(w: &A8Matrix, rows: &RoundedRows, out: *mut f32, m: usize, n: usize, c0: usize, c1: usize) {
-    let (k, group) = (w.k, w.group);
+    let (k, group, groups) = (w.k, w.group, w.k / w.group);
     let constants = w.constants.view();
     let has_mins = w.constants.has_mins();
-    for r in 0..m {
-        let levels = &rows.levels[r * k..(r + 1) * k];
-        for c in c0..c1 {
-            let mut acc = 0.0f32;
-            for g in 0..k / group {
-                let p0 = g * group;
-                let dot: i32 = (p0..p0 + group).map(|p| w.stored_level(c, p) * levels[p] as i32).sum();
-                let sum = rows.sums[r * (k / group) + g];
-                let (scale, min) = constants.get(c, p0, k, group);
-                let a = rows.scales[(r * k + p0) / ACTIVATION_GROUP];
-                acc = ((dot - w.offset * sum) as f32).mul_add(scale * a, acc);
-                if has_mins {
-                    acc = min.mul_add(a * sum as f32, acc);
+    // Stored levels reach 255 and activations ±127: their products fit an i16.
+    let activations: Vec<i16> = rows.levels.iter().map(|&x| x as i16).collect();
+    let mut panel_levels = vec![0i16; PANEL * k];
+    let mut panel_constants = vec![(0.0f32, 0.0f32); PANEL * groups];
+    for c in (c0..c1).step_by(PANEL) {
+        for quad in 0..k / QUAD {
+            let stored = w.quad(c / PANEL, quad);
+            for j in 0..PANEL {
+                for t in 0..QUAD {
+                    panel_levels[j * k + quad * QUAD + t] = w.layout.level(stored, j, t) as i16;
                 }
             }
-            *out.add(r * n + c) = acc;
+        }
+        for (i, constant) in panel_constants.iter_mut().enumerate() {
+            *constant = constants.get(c + i / groups, i % groups * group, k, group);
+        }
+        let columns = panel_levels.chunks_exact(k).zip(panel_constants.chunks_exact(groups)).take(c1 - c);
+        for (j, (column_levels, column_constants)) in columns.enumerate() {
+            for r in 0..m {
+                let levels = &activations[r * k..(r + 1) * k];
+                let mut acc = 0.0f32;
+                for (g, &(scale, min)) in column_constants.iter().enumerate() {
+                    let p0 = g * group;
+                    let weights = &column_levels[p0..p0 + group];
+                    let dot: i32 = weights.iter().zip(&levels[p0..p0 + group]).map(|(&u, &x)| (u * x) as i32).sum();
+                    let sum = rows.sums[r * groups + g];
+                    let a = rows.scales[(r * k + p0) / ACTIVATION_GROUP];
+                    acc = ((dot - w.offset * sum) as f32).mul_add(scale * a, acc);
+                    if has_mins {
+                        acc = min.mul_add(a * sum as f32, acc);
+                    }
+                }
+                *out.add(r * n + c + j) = acc;
+            }
         }
     }
 }
