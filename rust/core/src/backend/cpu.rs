@@ -1,6 +1,7 @@
 //! The CPU backend: f32 compute, multithreaded (our SIMD matmul kernels, rayon for the rest). With f32
 //! weights (the default) it is exact and the reference every GPU kernel is checked against; bf16 or int8
-//! weights halve or quarter the bytes a decode step streams, still multiplied and summed in f32.
+//! weights halve or quarter the bytes a decode step streams, still multiplied and summed in f32; a8 rounds the
+//! activations to 8 bits too and multiplies integers (`cpu_matmul_a8`), as llama.cpp does.
 
 use super::batch::BatchPlan;
 use super::cpu_attention::{self, CpuKvCache};
