@@ -295,12 +295,7 @@ pub fn pack_blocks(data: &[f32], blocks: &HostBlocks, n: usize, k: usize) -> Opt
     if blocks.levels.len() != n * k || !suits || !matches(data) {
         return None;
     }
-    // One pass for the range, chunk by chunk (a per-element parallel `all` spends its time on its flag).
-    let (lowest, highest) = blocks
-        .levels
-        .par_chunks(crate::model::loader::PAR_CHUNK)
-        .map(|c| c.iter().fold((i8::MAX, i8::MIN), |(lo, hi), &q| (lo.min(q), hi.max(q))))
-        .reduce(|| (i8::MAX, i8::MIN), |(a, b), (c, d)| (a.min(c), b.max(d)));
+    let (lowest, highest) = level_range(&blocks.levels);
     let levels = if lowest >= 0 && highest <= 15 {
         BlockLevels::Nibbles { values: pack_nibbles(&blocks.levels, n, k, 0), signed: false }
     } else if lowest >= -8 && highest <= 7 {
@@ -309,6 +304,15 @@ pub fn pack_blocks(data: &[f32], blocks: &HostBlocks, n: usize, k: usize) -> Opt
         BlockLevels::Bytes(pack(&blocks.levels, n, k, |_, q| q))
     };
     Some(BlockMatrix { levels, constants: pack_constants(blocks, n, k), group })
+}
+
+/// The lowest and highest of `levels`, in one pass chunk by chunk (a per-element parallel `all` spends its time on
+/// its flag).
+pub(super) fn level_range(levels: &[i8]) -> (i8, i8) {
+    levels
+        .par_chunks(crate::model::loader::PAR_CHUNK)
+        .map(|c| c.iter().fold((i8::MAX, i8::MIN), |(lo, hi), &q| (lo.min(q), hi.max(q))))
+        .reduce(|| (i8::MAX, i8::MIN), |(a, b), (c, d)| (a.min(c), b.max(d)))
 }
 
 /// A group's constants at [`block_param_index`], as f16 bit patterns when every one is an f16 value.

@@ -17,8 +17,9 @@
 //! (5- and 6-bit formats) nibbles plus their top two bits packed after them ([`Layout::Split`]); others bytes.
 
 use rayon::prelude::*;
+use std::sync::OnceLock;
 
-use super::cpu_matmul::{for_column_chunks, pack_constants, padded_rows, BlockConstants, Kernels, PANEL};
+use super::cpu_matmul::{for_column_chunks, int8_scale, level_range, pack_constants, padded_rows, quantize_int8, BlockConstants, Kernels, PANEL};
 use crate::model::loader::{HostBlocks, HostTensor};
 
 /// Activations are rounded to 8 bits with one scale per this many values of a row.
@@ -57,7 +58,7 @@ impl A8Matrix {
                 &rounded
             }
         };
-        let (lowest, highest) = blocks.levels.par_chunks(1 << 14).map(range).reduce(|| (i8::MAX, i8::MIN), |a, b| (a.0.min(b.0), a.1.max(b.1)));
+        let (lowest, highest) = level_range(&blocks.levels);
         let (layout, offset) = match (lowest, highest) {
             (0.., ..=15) => (Layout::Nibbles, 0),
             (-8.., ..=7) => (Layout::Nibbles, 8),
@@ -99,20 +100,20 @@ impl A8Matrix {
     }
 }
 
-/// How stored levels are packed, by their range (layouts as const generic parameters of the kernels).
+/// How stored levels are packed, by their range.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[repr(u8)]
 enum Layout {
     /// 0..=15: a nibble each, 64 bytes a quad.
-    Nibbles = NIBBLES,
+    Nibbles,
     /// 0..=63: the low 4 bits as nibbles, then 32 bytes of their top 2 bits: byte `b` holds those of vector
     /// position `b` (bits 0-1) and `b + 32` (bits 2-3) of columns 0..16, and the same of columns 16..32 (bits 4-7),
     /// position `4 * (j % 16) + t` (96 bytes a quad, where bytes took 128).
-    Split = SPLIT,
+    Split,
     /// A byte each, 128 bytes a quad.
-    Bytes = BYTES,
+    Bytes,
 }
 
+/// The layouts as the kernels' const generic parameters.
 const NIBBLES: u8 = 0;
 const SPLIT: u8 = 1;
 const BYTES: u8 = 2;
@@ -139,21 +140,15 @@ impl Layout {
     }
 }
 
-fn range(levels: &[i8]) -> (i8, i8) {
-    levels.iter().fold((i8::MAX, i8::MIN), |(lo, hi), &q| (lo.min(q), hi.max(q)))
-}
-
 /// Q8_0's rounding: per 32 weights an f16 scale `max |w| / 127` and levels `round(w / scale)`.
 fn round_to_8_bits(values: &[f32], n: usize, k: usize) -> HostBlocks {
     let groups = n * k / ACTIVATION_GROUP;
     let mut levels = vec![0i8; n * k];
     let mut scales = vec![0.0f32; groups];
     levels.par_chunks_mut(ACTIVATION_GROUP).zip(values.par_chunks(ACTIVATION_GROUP)).zip(scales.par_iter_mut()).for_each(|((levels, values), scale)| {
-        let amax = values.iter().fold(0.0f32, |m, w| m.max(w.abs()));
-        *scale = half::f16::from_f32(amax / 127.0).to_f32();
-        let inverse = if *scale > 0.0 { 1.0 / *scale } else { 0.0 };
-        for (q, w) in levels.iter_mut().zip(values) {
-            *q = (w * inverse).round().clamp(-127.0, 127.0) as i8;
+        *scale = half::f16::from_f32(int8_scale(values)).to_f32();
+        for (q, &w) in levels.iter_mut().zip(values) {
+            *q = quantize_int8(w, *scale);
         }
     });
     HostBlocks { group: ACTIVATION_GROUP, levels, scales, mins: vec![-0.0; groups], factors: None }
@@ -230,7 +225,7 @@ fn round_rows(x: &[f32], m: usize, k: usize, group: usize) -> RoundedRows {
 /// `cpu_matmul::Kernels`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum A8Kernel {
-    /// Plain Rust, one product at a time: the reference, and the path of CPUs without AVX2.
+    /// Plain Rust: the reference, and the path of CPUs without AVX2.
     Portable,
     /// AVX2's byte multiply-adds into pairs of i16.
     Avx2,
@@ -239,24 +234,30 @@ pub enum A8Kernel {
 }
 
 impl A8Kernel {
+    /// Chosen once: every matmul of a decode step asks.
     pub fn detect() -> A8Kernel {
-        match Kernels::detect() {
+        static CHOSEN: OnceLock<A8Kernel> = OnceLock::new();
+        *CHOSEN.get_or_init(|| match Kernels::detect() {
             Kernels::Avx512 if x86::vnni_available() => A8Kernel::Vnni,
             Kernels::Avx512 | Kernels::Avx2 => A8Kernel::Avx2,
             Kernels::Portable => A8Kernel::Portable,
-        }
+        })
     }
 
-    /// Every kernel this CPU can run, slowest first.
-    pub fn supported() -> Vec<A8Kernel> {
-        let mut all = vec![A8Kernel::Portable];
-        if Kernels::supported().contains(&Kernels::Avx2) {
-            all.push(A8Kernel::Avx2);
-        }
-        if Kernels::supported().contains(&Kernels::Avx512) && x86::vnni_available() {
-            all.push(A8Kernel::Vnni);
-        }
-        all
+    /// Every kernel this CPU can run, slowest first (found once).
+    pub fn supported() -> &'static [A8Kernel] {
+        static ALL: OnceLock<Vec<A8Kernel>> = OnceLock::new();
+        ALL.get_or_init(|| {
+            let sets = Kernels::supported();
+            let mut all = vec![A8Kernel::Portable];
+            if sets.contains(&Kernels::Avx2) {
+                all.push(A8Kernel::Avx2);
+            }
+            if sets.contains(&Kernels::Avx512) && x86::vnni_available() {
+                all.push(A8Kernel::Vnni);
+            }
+            all
+        })
     }
 }
 
@@ -484,15 +485,25 @@ mod x86 {
             constants
         }
 
-        /// Fold the group at `p0` of row `i` into `acc`, its f32 sums of columns with these `(scale, min)`: the
-        /// module comment's two steps, where `dot(offset × Σ xq)` gives the group's integer dot products, that
-        /// taken off, as f32.
+        /// Σ xq of row `i` over the group at `p0`.
         #[inline(always)]
-        unsafe fn fold<I: Isa<V = V>, V: Copy>(&self, i: usize, p0: usize, (scale, min): (V, V), dot: impl Fn(i32) -> V, acc: V) -> V {
-            let (k, group) = (self.k, self.group);
-            let sum = self.rows.sums[i * (k / group) + p0 / group];
-            let a = self.rows.scales[(i * k + p0) / ACTIVATION_GROUP];
-            let acc = I::fma(dot(self.offset * sum), I::mul(scale, I::splat(a)), acc);
+        fn level_sum(&self, i: usize, p0: usize) -> i32 {
+            self.rows.sums[i * (self.k / self.group) + p0 / self.group]
+        }
+
+        /// What the stored levels' offset added to row `i`'s integer dot products of the group at `p0`.
+        #[inline(always)]
+        fn offset_part(&self, i: usize, p0: usize) -> i32 {
+            self.offset * self.level_sum(i, p0)
+        }
+
+        /// Fold the group at `p0` of row `i` into `acc`, its f32 sums of columns with these `(scale, min)`: the
+        /// module comment's two steps, `dot` being the group's integer dot products, offset taken off, as f32.
+        #[inline(always)]
+        unsafe fn fold<I: Isa<V = V>, V: Copy>(&self, i: usize, p0: usize, (scale, min): (V, V), dot: V, acc: V) -> V {
+            let sum = self.level_sum(i, p0);
+            let a = self.rows.scales[(i * self.k + p0) / ACTIVATION_GROUP];
+            let acc = I::fma(dot, I::mul(scale, I::splat(a)), acc);
             if self.has_mins {
                 I::fma(min, I::splat(a * sum as f32), acc)
             } else {
@@ -504,14 +515,7 @@ mod x86 {
         #[inline(always)]
         unsafe fn store<I: Isa>(&self, i: usize, column: usize, sums: I::V) {
             let count = (self.column + self.valid).saturating_sub(column).min(I::LANES);
-            let dst = self.out.add(i * self.n + column);
-            if count == I::LANES {
-                I::store(dst, sums);
-            } else if count > 0 {
-                let mut lanes = [0.0f32; 16];
-                I::store(lanes.as_mut_ptr(), sums);
-                std::ptr::copy_nonoverlapping(lanes.as_ptr(), dst, count);
-            }
+            I::store_first(self.out.add(i * self.n + column), sums, count);
         }
     }
 
@@ -586,8 +590,8 @@ mod x86 {
                 for (i, acc) in acc.iter_mut().enumerate() {
                     for (v, acc) in acc.iter_mut().enumerate() {
                         let dot = dots[i][v][1..].iter().fold(dots[i][v][0], |d, part| _mm512_add_epi32(d, *part));
-                        let corrected = |offset| _mm512_cvtepi32_ps(_mm512_sub_epi32(dot, _mm512_set1_epi32(offset)));
-                        *acc = self.fold::<Avx512, _>(row + i, p0, constants[v], corrected, *acc);
+                        let dot = _mm512_cvtepi32_ps(_mm512_sub_epi32(dot, _mm512_set1_epi32(self.offset_part(row + i, p0))));
+                        *acc = self.fold::<Avx512, _>(row + i, p0, constants[v], dot, *acc);
                     }
                 }
             }
@@ -693,11 +697,9 @@ mod x86 {
                     for (v, acc) in acc.iter_mut().enumerate() {
                         let dot = if L == NIBBLES { _mm256_madd_epi16(dots[i][v], ones) } else { dots[i][v] };
                         // Signed levels were multiplied as they are: the offset is already off.
-                        let corrected = |offset| {
-                            let offset = if SIGNED { 0 } else { offset };
-                            _mm256_cvtepi32_ps(_mm256_sub_epi32(dot, _mm256_set1_epi32(offset)))
-                        };
-                        *acc = self.fold::<Avx2, _>(row + i, p0, constants[v], corrected, *acc);
+                        let offset_part = if SIGNED { 0 } else { self.offset_part(row + i, p0) };
+                        let dot = _mm256_cvtepi32_ps(_mm256_sub_epi32(dot, _mm256_set1_epi32(offset_part)));
+                        *acc = self.fold::<Avx2, _>(row + i, p0, constants[v], dot, *acc);
                     }
                 }
             }
@@ -809,7 +811,7 @@ mod tests {
                 let x = activations(m, 512, n as u64);
                 let mut expected = vec![f32::NAN; m * n];
                 matmul_with(A8Kernel::Portable, &x, &matrix, &mut expected, m, n);
-                for &kernel in &kernels {
+                for &kernel in kernels {
                     let mut out = vec![f32::NAN; m * n];
                     matmul_with(kernel, &x, &matrix, &mut out, m, n);
                     let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
@@ -855,7 +857,7 @@ mod tests {
                 assert!((a - b).abs() <= amax / 127.0 * 0.51, "row {r} [{p}]: {a} vs {b}");
             }
         }
-        for kernel in A8Kernel::supported() {
+        for &kernel in A8Kernel::supported() {
             let x = activations(3, k, 9);
             let mut out = vec![f32::NAN; 3 * n];
             matmul_with(kernel, &x, &matrix, &mut out, 3, n);
@@ -873,7 +875,7 @@ mod tests {
         let matrix = A8Matrix::pack(&quantized(GgmlType::Q4_1, 8, 64, 1), 8, 64).unwrap();
         let mut x = activations(2, 64, 1);
         x[3] = f32::INFINITY;
-        for kernel in A8Kernel::supported() {
+        for &kernel in A8Kernel::supported() {
             let mut out = vec![0.0; 16];
             matmul_with(kernel, &x, &matrix, &mut out, 2, 8);
             assert!(out[..8].iter().all(|v| v.is_nan()), "{kernel:?}: {:?}", &out[..8]);

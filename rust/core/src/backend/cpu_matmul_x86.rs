@@ -313,15 +313,8 @@ mod imp {
                         sum = I::add(sum, *part);
                     }
                     let sum = self.format.finish::<I>(self.column + v * I::LANES, sum);
-                    let dst = self.out.add(r * self.n + v * I::LANES);
                     let count = self.valid.saturating_sub(v * I::LANES).min(I::LANES);
-                    if count == I::LANES {
-                        I::store(dst, sum);
-                    } else if count > 0 {
-                        let mut lanes = [0.0f32; 16];
-                        I::store(lanes.as_mut_ptr(), sum);
-                        std::ptr::copy_nonoverlapping(lanes.as_ptr(), dst, count);
-                    }
+                    I::store_first(self.out.add(r * self.n + v * I::LANES), sum, count);
                 }
             }
             R

@@ -48,6 +48,17 @@ mod imp {
         /// Every lane `x`.
         unsafe fn splat(x: f32) -> Self::V;
         unsafe fn store(p: *mut f32, v: Self::V);
+        /// The first `count` lanes of `v` (at most `LANES`) to `p`: a whole store when all of them.
+        #[inline(always)]
+        unsafe fn store_first(p: *mut f32, v: Self::V, count: usize) {
+            if count == Self::LANES {
+                Self::store(p, v);
+            } else if count > 0 {
+                let mut lanes = [0.0f32; 16];
+                Self::store(lanes.as_mut_ptr(), v);
+                std::ptr::copy_nonoverlapping(lanes.as_ptr(), p, count);
+            }
+        }
         /// `a * b + c`.
         unsafe fn fma(a: Self::V, b: Self::V, c: Self::V) -> Self::V;
         unsafe fn add(a: Self::V, b: Self::V) -> Self::V;
