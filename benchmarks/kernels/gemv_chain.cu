@@ -7,17 +7,20 @@
 // varied): µs per layer and per kernel against the bandwidth floor, and whether the two agree on each
 // projection's output at batch 1 and 4. Also the floor of a chain of kernels that do nothing, and the
 // projection-chain experiment (projection_chain.cu here: a layer's O, gate/up, down and the next QKV as one
-// kernel with grid barriers, against the four bulk kernels, both behind a stand-in for the attention). Built
-// and run on the GPU machine:
+// kernel with grid barriers, against the four bulk kernels, both behind a stand-in for the attention). With
+// the argument `mlp`, only the MLP as one kernel (mlp_fused.cu here) against its two bulk GEMVs: agreement,
+// determinism, and µs per layer. Built and run on the GPU machine:
 //
 //   nvcc -arch=sm_90 -DSTEPLLM_PDL -O3 -std=c++17 -I kernels -o /tmp/gemv_chain benchmarks/kernels/gemv_chain.cu
-//   /tmp/gemv_chain
+//   /tmp/gemv_chain [mlp]
 #include "gemv.cu"
 #include "gemv_bulk.cu"
 #include "projection_chain.cu"
+#include "mlp_fused.cu"
 
 #include <cstdio>
 #include <cstdlib>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -118,7 +121,8 @@ void gemv_bulk_launch(const Gpu& g, BulkFn f, bool silu, int m, const bf16* x, c
         if (stages > needed) stages = needed;
     }
     const int stage = r * stage_rows * k * 2;
-    const size_t smem = (size_t)m * k * 2 + (size_t)stages * stage;
+    // The IN_NORM kinds stage the norm weights beside the input rows.
+    const size_t smem = (size_t)m * k * 2 + (norm ? (size_t)k * 4 : 0) + (size_t)stages * stage;
     CK(cudaFuncSetAttribute((const void*)f, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
     float eps = 1e-6f;
     const float* bias = nullptr;
@@ -195,7 +199,9 @@ double time_graph(const Gpu& g, Record record, int reps = 200) {
     return ms * 1e3 / reps;
 }
 
-int main() {
+void mlp_section(Gpu& g, std::vector<Layer>& layers, bf16* h, float* norm);
+
+int main(int argc, char** argv) {
     Gpu g = {};
     CK(cudaDeviceGetAttribute(&g.sms, cudaDevAttrMultiProcessorCount, 0));
     CK(cudaStreamCreateWithFlags(&g.stream, cudaStreamNonBlocking));
@@ -220,6 +226,10 @@ int main() {
     fill_ones<<<1, 256>>>(norm, FF);
     CK(cudaDeviceSynchronize());
 
+    if (argc > 1 && std::string(argv[1]) == "mlp") {
+        mlp_section(g, layers, h, norm);
+        return 0;
+    }
     const double bytes_layer = 2.0 * ((double)QKV * HIDDEN + (double)HIDDEN * Q + 2.0 * FF * HIDDEN + (double)HIDDEN * FF);
     printf("GPU: %d SMs; one layer's weights %.1f MB, %.2f us at 4.8 TB/s\n", g.sms, bytes_layer / 1e6, bytes_layer / 4.8e6);
 
@@ -400,4 +410,99 @@ int main() {
         }
     }
     return 0;
+}
+
+// The MLP as one kernel (mlp_fused.cu here) against gate/up and down as two bulk GEMVs, at batch 1.
+void mlp_launch(const Gpu& g, bf16* h, const float* norm, const bf16* gu, const bf16* down, MlpAccumulator acc) {
+    const int groups = FF / 8, grid = g.sms < groups ? g.sms : groups, words = (groups + grid - 1) / grid;
+    const int rpt = (HIDDEN + MLP_THREADS - 1) / MLP_THREADS;
+    if (words != 3 || rpt != 4) {
+        fprintf(stderr, "this benchmark instantiates W = 3, RPT = 4 only (got %d, %d)\n", words, rpt);
+        exit(1);
+    }
+    const size_t smem = (size_t)HIDDEN * 6 + 2ull * 8 * words * HIDDEN * 2 + 8 * words * 2;
+    const void* f = (const void*)mlp_bulk_w3_r4;
+    CK(cudaFuncSetAttribute(f, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    float eps = 1e-6f;
+    int H = HIDDEN, I = FF;
+    void* args[] = {&h, &norm, &eps, &gu, &down, &acc.sums, &acc.not_finite, &acc.arrived, &H, &I};
+    launch(g, f, dim3(grid), dim3(MLP_THREADS), smem, args);
+}
+
+void mlp_section(Gpu& g, std::vector<Layer>& layers, bf16* h, float* norm) {
+    MlpAccumulator acc;
+    CK(cudaMalloc(&acc.sums, HIDDEN * 8));
+    CK(cudaMalloc(&acc.not_finite, HIDDEN * 4));
+    CK(cudaMalloc(&acc.arrived, 4));
+    CK(cudaMemset(acc.sums, 0, HIDDEN * 8));
+    CK(cudaMemset(acc.not_finite, 0, HIDDEN * 4));
+    CK(cudaMemset(acc.arrived, 0, 4));
+    bf16 *h_ref, *act, *att, *qkv;
+    CK(cudaMalloc(&h_ref, HIDDEN * 2));
+    CK(cudaMalloc(&act, FF * 2));
+    CK(cudaMalloc(&att, Q * 2));
+    CK(cudaMalloc(&qkv, QKV * 2));
+    g.bulk = true, g.fit = false, g.stage_bytes = 49152, g.ring_bytes = 98304, g.cap = 4;
+
+    // Agreement over the 28 layers' weights, each from the same residual: the two GEMVs against the one kernel
+    // (twice, to see it deterministic).
+    int differ = 0, unequal_runs = 0;
+    float worst = 0;
+    for (int l = 0; l < LAYERS; l++) {
+        g.pdl = false;
+        // Everything on the kernels' stream (non-blocking: it does not wait for the legacy default stream).
+        fill_random<<<4, 256, 0, g.stream>>>(h_ref, HIDDEN, 100 + l, 2.0f);
+        std::vector<bf16> ref(HIDDEN), got(HIDDEN), again(HIDDEN);
+        gemv(g, NORM_SILU, 1, h_ref, norm, layers[l].gu, act, 2 * FF, HIDDEN);
+        gemv(g, PLAIN_ADD, 1, act, nullptr, layers[l].down, h_ref, HIDDEN, FF);
+        CK(cudaMemcpyAsync(ref.data(), h_ref, HIDDEN * 2, cudaMemcpyDeviceToHost, g.stream));
+        for (int run = 0; run < 2; run++) {
+            fill_random<<<4, 256, 0, g.stream>>>(h, HIDDEN, 100 + l, 2.0f);
+            mlp_launch(g, h, norm, layers[l].gu, layers[l].down, acc);
+            CK(cudaMemcpyAsync((run ? again : got).data(), h, HIDDEN * 2, cudaMemcpyDeviceToHost, g.stream));
+        }
+        CK(cudaStreamSynchronize(g.stream));
+        for (int i = 0; i < HIDDEN; i++) {
+            const float a = __bfloat162float(ref[i]), b = __bfloat162float(got[i]);
+            differ += a != b;
+            worst = fmaxf(worst, fabsf(a - b) / fmaxf(1e-3f, fabsf(a)));
+            unequal_runs += __bfloat162float(again[i]) != b;
+        }
+    }
+    printf("agreement mlp m1: %d of %d residual values differ from the two GEMVs (worst relative %.2e); "
+           "%d differ between two runs of the one kernel\n", differ, LAYERS * HIDDEN, worst, unequal_runs);
+
+    g.pdl = true;
+    int q_width = Q;
+    void* standin_args[] = {&qkv, &att, &q_width};
+    for (int round = 0; round < 2; round++) {
+        for (int fused = 0; fused < 2; fused++) {
+            const double layer = time_graph(g, [&] {
+                gemv(g, NORM_STORE, 1, h, norm, layers[0].qkv, qkv, QKV, HIDDEN);
+                for (int l = 0; l < LAYERS; l++) {
+                    launch(g, (const void*)standin_attention, dim3(8), dim3(256), 0, standin_args);
+                    gemv(g, PLAIN_ADD, 1, att, nullptr, layers[l].o, h, HIDDEN, Q);
+                    if (fused) {
+                        mlp_launch(g, h, norm, layers[l].gu, layers[l].down, acc);
+                    } else {
+                        gemv(g, NORM_SILU, 1, h, norm, layers[l].gu, act, 2 * FF, HIDDEN);
+                        gemv(g, PLAIN_ADD, 1, act, nullptr, layers[l].down, h, HIDDEN, FF);
+                    }
+                    gemv(g, NORM_STORE, 1, h, norm, layers[(l + 1) % LAYERS].qkv, qkv, QKV, HIDDEN);
+                }
+            }) / LAYERS;
+            const double mlp = time_graph(g, [&] {
+                for (int l = 0; l < LAYERS; l++) {
+                    if (fused) {
+                        mlp_launch(g, h, norm, layers[l].gu, layers[l].down, acc);
+                    } else {
+                        gemv(g, NORM_SILU, 1, h, norm, layers[l].gu, act, 2 * FF, HIDDEN);
+                        gemv(g, PLAIN_ADD, 1, act, nullptr, layers[l].down, h, HIDDEN, FF);
+                    }
+                }
+            }) / LAYERS;
+            printf("round %d, %s: layer (stand-in attention, O, MLP, next QKV) %.2f us; MLP alone %.2f us\n", round,
+                   fused ? "MLP as one kernel" : "gate/up + down GEMVs", layer, mlp);
+        }
+    }
 }
