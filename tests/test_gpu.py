@@ -210,6 +210,27 @@ def test_gpu_matches_cpu_backend(name: str, models_dir: Path) -> None:
     assert_runs_agree(path, prompts, gpu, cpu, name)
 
 
+def test_unset_sizes_fill_the_gpu_share(models_dir: Path) -> None:
+    """Left unset on a GPU, max_batch_size is 256 and the KV cache takes the blocks that fit in
+    gpu_memory_utilization of the device's memory beside what is in use (here also torch's), the weights and one
+    step's activations: after a run with graphs the device stays inside that share, and a smaller share gives a
+    smaller cache."""
+    path = gpu_models.make("qwen3", models_dir)
+    torch.cuda.empty_cache()
+    small = stepllm.RuntimeCoordinator(stepllm.Config(model=str(path), device="cuda", gpu_memory_utilization=0.25))
+    small_tokens = small.info()["kv_cache_tokens"]
+    del small
+    share = 0.5
+    coord = stepllm.RuntimeCoordinator(stepllm.Config(model=str(path), device="cuda", gpu_memory_utilization=share))
+    info = coord.info()
+    assert info["max_batch_size"] == 256 and info["kv_cache_tokens"] > small_tokens > 16384, (info, small_tokens)
+    assert coord.capture_decoding_cuda_graph()
+    out = coord.dispatch_request([stepllm.GenerationRequest(PROMPT, greedy(8))] * 3)
+    assert all(len(r.output_ids) == 8 for r in out)
+    free, total = torch.cuda.mem_get_info()
+    assert total - free <= share * total, (total - free, total, info["kv_cache_tokens"])
+
+
 def test_graph_decode_equals_eager(models_dir: Path) -> None:
     path = gpu_models.make("qwen3", models_dir)
     reqs = [stepllm.GenerationRequest(PROMPT[: 5 + 3 * i], greedy(24)) for i in range(6)]

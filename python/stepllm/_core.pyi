@@ -437,7 +437,11 @@ class ParallelConfig:
 class Config:
     """Runtime configuration, validated on construction (InvalidRequestError). None takes the default: device
     ["auto": the GPU when there is one and its kernels cover the model's attention shape, else the CPU],
-    max_batch_size [8], kv_cache_tokens [16384], block_size [16], max_model_len [the model's
+    max_batch_size [the device's: 8 on the CPU, 256 on a GPU], kv_cache_tokens [the device's: 16384 on the CPU; on
+    a GPU the whole blocks that fit in gpu_memory_utilization (0.9) of its memory beside the weights, one step's
+    activations (max_prefill_tokens prompt tokens, logits of every slot) and 512 MiB of workspace, at most every
+    slot at max_model_len, as vLLM sizes its cache; RuntimeCoordinator.info() reports the sizes in use],
+    block_size [16], max_model_len [the model's
     max_position_embeddings; a longer one is refused when the runtime is built, unless
     STEPLLM_ALLOW_LONG_MAX_MODEL_LEN=1], context_cache [ContextCacheConfig()], parallel [ParallelConfig()], dtype [the device's: "f32" on the CPU,
     "bf16" on CUDA], max_prefill_tokens [8192: the most prompt tokens one step computes; the engine and
@@ -463,17 +467,20 @@ class Config:
         dtype: Literal["f32", "bf16", "int8", "a8", "auto"] | None = None,
         max_prefill_tokens: int | None = None,
         kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3"] | None = None,
+        gpu_memory_utilization: float | None = None,
     ) -> Config: ...
     @property
     def model(self) -> str | None: ...
     @property
     def device(self) -> str: ...
     @property
-    def max_batch_size(self) -> int: ...
+    def max_batch_size(self) -> int | None: ...
     @property
     def max_prefill_tokens(self) -> int: ...
     @property
-    def kv_cache_tokens(self) -> int: ...
+    def kv_cache_tokens(self) -> int | None: ...
+    @property
+    def gpu_memory_utilization(self) -> float: ...
     @property
     def block_size(self) -> int: ...
     @property

@@ -84,8 +84,13 @@ def build_parser() -> argparse.ArgumentParser:
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="Hugging Face directory or .gguf file (default: SmolLM2-135M-Instruct)")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
-    p.add_argument("--max-batch-size", type=int, default=8)
-    p.add_argument("--kv-cache-tokens", type=int, default=16384)
+    p.add_argument("--max-batch-size", type=int, default=None,
+                   help="most sequences live at once (default: the device's, 8 on the CPU and 256 on a GPU)")
+    p.add_argument("--kv-cache-tokens", type=int, default=None,
+                   help="KV cache budget in tokens (default: 16384 on the CPU; on a GPU, what "
+                        "--gpu-memory-utilization of its memory leaves after the weights)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=None,
+                   help="share of the GPU's memory to fill when it sizes the KV cache itself (default 0.9)")
     p.add_argument("--max-prefill-tokens", type=int, default=None,
                    help="most prompt tokens one step computes: prompts are prefilled together up to it, a longer "
                         "one in chunks of it (default: Config's, 8192)")
@@ -133,6 +138,7 @@ def open_engine(args: argparse.Namespace, max_batch_size: int | None = None) -> 
         device=args.device,
         max_batch_size=max_batch_size or args.max_batch_size,
         kv_cache_tokens=args.kv_cache_tokens,
+        gpu_memory_utilization=args.gpu_memory_utilization,
         dtype=args.dtype,
         max_prefill_tokens=args.max_prefill_tokens,
         kv_cache_dtype=args.kv_cache_dtype,

@@ -37,14 +37,18 @@ pub struct Config {
     pub model: String,
     /// "cpu", "cuda", "cuda:N" or "auto".
     pub device: String,
-    /// Resident slots: the most sequences live at once.
-    pub max_batch_size: usize,
+    /// Resident slots: the most sequences live at once. None: the device's default (8 on the CPU, 256 on a GPU).
+    pub max_batch_size: Option<usize>,
     /// Most prompt tokens one step computes. The schedulers (engine, dispatch) prefill prompts together up to it;
     /// a longer prompt is computed in chunks of it over several steps (chunked prefill), while running requests
     /// keep decoding in the same forwards.
     pub max_prefill_tokens: usize,
-    /// KV cache budget in tokens (rounded up to whole blocks).
-    pub kv_cache_tokens: usize,
+    /// KV cache budget in tokens (rounded up to whole blocks). None: the device's default: 16,384 tokens on the CPU;
+    /// on a GPU, what `gpu_memory_utilization` of its memory leaves after the weights and one step's activations.
+    pub kv_cache_tokens: Option<usize>,
+    /// The share of each GPU's memory the runtime may fill (weights, KV cache, activations) when it sizes the KV
+    /// cache itself (kv_cache_tokens None); as vLLM's option of the same name.
+    pub gpu_memory_utilization: f64,
     pub block_size: usize,
     /// Longest prompt + output; None means the model's max_position_embeddings.
     pub max_model_len: Option<usize>,
@@ -61,9 +65,10 @@ impl Config {
         Self {
             model: model.into(),
             device: "auto".into(),
-            max_batch_size: 8,
+            max_batch_size: None,
             max_prefill_tokens: DEFAULT_MAX_PREFILL_TOKENS,
-            kv_cache_tokens: 16384,
+            kv_cache_tokens: None,
+            gpu_memory_utilization: DEFAULT_GPU_MEMORY_UTILIZATION,
             block_size: 16,
             max_model_len: None,
             context_cache: ContextCacheConfig::default(),
@@ -74,7 +79,7 @@ impl Config {
     }
 
     pub fn validate(&self) -> Result<()> {
-        if self.max_batch_size == 0 {
+        if self.max_batch_size == Some(0) {
             return invalid("max_batch_size must be at least 1");
         }
         if self.max_prefill_tokens == 0 {
@@ -83,8 +88,11 @@ impl Config {
         if self.block_size == 0 || self.block_size > 1024 {
             return invalid(format!("block_size must be in 1..=1024, got {}", self.block_size));
         }
-        if self.kv_cache_tokens < self.block_size {
-            return invalid(format!("kv_cache_tokens ({}) must hold at least one block ({})", self.kv_cache_tokens, self.block_size));
+        if let Some(tokens) = self.kv_cache_tokens.filter(|&t| t < self.block_size) {
+            return invalid(format!("kv_cache_tokens ({tokens}) must hold at least one block ({})", self.block_size));
+        }
+        if !(self.gpu_memory_utilization > 0.0 && self.gpu_memory_utilization <= 1.0) {
+            return invalid(format!("gpu_memory_utilization must be in (0, 1], got {}", self.gpu_memory_utilization));
         }
         let tp = self.parallel.tensor_parallel_size;
         if tp == 0 {
@@ -150,6 +158,98 @@ fn auto_device(config: &Config, device: Device, model: &crate::model::ModelConfi
     eprintln!("stepllm: warning: {why}; device=\"auto\" runs this model on the CPU");
     Ok(Device::Cpu)
 }
+
+/// Defaults of the sizes a Config may leave unset (None): on the CPU, small ones (one core's worth of work and
+/// 16,384 tokens of f32 K/V take 0.6 GB for SmolLM2-135M); on a GPU, vLLM's: hundreds of sequences and most of the
+/// device's memory for the KV cache.
+pub const DEFAULT_CPU_MAX_BATCH_SIZE: usize = 8;
+pub const DEFAULT_CPU_KV_CACHE_TOKENS: usize = 16384;
+pub const DEFAULT_GPU_MAX_BATCH_SIZE: usize = 256;
+pub const DEFAULT_GPU_MEMORY_UTILIZATION: f64 = 0.9;
+/// Device memory a GPU keeps free beside the KV cache it sizes itself, beyond one step's activations: cuBLAS's
+/// workspace, the attention's split-K workspace, CUDA graphs, allocator slack.
+const GPU_RESERVE_BYTES: usize = 512 << 20;
+
+/// The slot count and KV budget a runtime gets: the config's where set, else the device's defaults.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct RuntimeSizes {
+    max_batch_size: usize,
+    kv_cache_tokens: usize,
+}
+
+impl RuntimeSizes {
+    fn resolve(config: &Config, runner: &dyn crate::model::ModelRunner, max_model_len: usize) -> Result<Self> {
+        let Some((in_use, total)) = runner.device_memory() else {
+            return Ok(Self {
+                max_batch_size: config.max_batch_size.unwrap_or(DEFAULT_CPU_MAX_BATCH_SIZE),
+                kv_cache_tokens: config.kv_cache_tokens.unwrap_or(DEFAULT_CPU_KV_CACHE_TOKENS),
+            });
+        };
+        let max_batch_size = config.max_batch_size.unwrap_or(DEFAULT_GPU_MAX_BATCH_SIZE);
+        let kv_cache_tokens = match config.kv_cache_tokens {
+            Some(tokens) => tokens,
+            None => {
+                let model = runner.config();
+                let memory = GpuMemory { in_use, total, ranks_sharing: ranks_per_device(&config.parallel) };
+                let step = StepShape { max_batch_size, max_prefill_tokens: config.max_prefill_tokens, max_model_len };
+                gpu_kv_cache_tokens(model, config, memory, step)?
+            }
+        };
+        Ok(Self { max_batch_size, kv_cache_tokens })
+    }
+}
+
+/// A GPU's memory when the KV cache is sized: bytes in use (the CUDA context and the weights loaded), its total,
+/// and how many tensor-parallel ranks will put a KV cache on it.
+#[derive(Debug, Clone, Copy)]
+struct GpuMemory {
+    in_use: usize,
+    total: usize,
+    ranks_sharing: usize,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct StepShape {
+    max_batch_size: usize,
+    max_prefill_tokens: usize,
+    max_model_len: usize,
+}
+
+/// Most ranks of one GPU: ranks take consecutive GPUs unless `devices` lists them (a test setup may share one).
+fn ranks_per_device(parallel: &ParallelConfig) -> usize {
+    parallel.devices.iter().map(|d| parallel.devices.iter().filter(|e| *e == d).count()).max().unwrap_or(1)
+}
+
+/// KV tokens that fit in `gpu_memory_utilization` of the GPU beside what is in use and one step's activations
+/// (the largest prefill's and the logits of every slot, in bf16, with room for the intermediate products), in
+/// whole blocks; never more than every slot can use at max_model_len.
+fn gpu_kv_cache_tokens(model: &crate::model::ModelConfig, config: &Config, memory: GpuMemory, step: StepShape) -> Result<usize> {
+    let element = if config.kv_cache_dtype == KvCacheDtype::Fp8 { 1 } else { 2 };
+    let per_token = model.num_layers * 2 * model.num_kv_heads * model.head_dim * element;
+    let q_kv_width = (model.num_heads + 2 * model.num_kv_heads) * model.head_dim;
+    let activation_row = 2 * (4 * model.hidden_size + 2 * q_kv_width + 3 * model.intermediate_size);
+    let activations = step.max_prefill_tokens * activation_row + step.max_batch_size * model.vocab_size * 2;
+    let allowed = (memory.total as f64 * config.gpu_memory_utilization) as usize;
+    let spare = allowed.saturating_sub(memory.in_use + activations + GPU_RESERVE_BYTES);
+    let per_rank = spare / memory.ranks_sharing.max(1);
+    let fits = per_rank / per_token.max(1) / config.block_size * config.block_size;
+    let useful = step.max_batch_size * step.max_model_len.div_ceil(config.block_size) * config.block_size;
+    if fits < config.block_size {
+        return Err(crate::Error::Device(format!(
+            "no room for a KV cache on the GPU: {:.2} of its {:.1} GiB are in use after the weights, and \
+             gpu_memory_utilization {} allows {:.1} GiB with one step's activations ({:.2} GiB); raise \
+             gpu_memory_utilization, lower max_batch_size or max_prefill_tokens, or set kv_cache_tokens",
+            memory.in_use as f64 / GIB,
+            memory.total as f64 / GIB,
+            config.gpu_memory_utilization,
+            allowed as f64 / GIB,
+            activations as f64 / GIB
+        )));
+    }
+    Ok(fits.min(useful))
+}
+
+const GIB: f64 = (1u64 << 30) as f64;
 
 /// Whether a CUDA device can be used: kernels were built in and a driver sees a GPU (never panics).
 pub fn cuda_available() -> bool {
@@ -242,9 +342,10 @@ impl RuntimeCoordinator {
         runner: &dyn crate::model::ModelRunner,
     ) -> Result<(StepperConfig, ModelInfo, IntentBuilder)> {
         let max_model_len = resolve_max_model_len(model_config.max_position_embeddings, config.max_model_len)?;
-        let num_blocks = config.kv_cache_tokens.div_ceil(config.block_size);
+        let sizes = RuntimeSizes::resolve(config, runner, max_model_len)?;
+        let num_blocks = sizes.kv_cache_tokens.div_ceil(config.block_size);
         let stepper_config = StepperConfig {
-            max_batch_size: config.max_batch_size,
+            max_batch_size: sizes.max_batch_size,
             num_blocks,
             block_size: config.block_size,
             max_model_len,
@@ -263,7 +364,7 @@ impl RuntimeCoordinator {
             max_model_len,
             kv_cache_tokens: num_blocks * config.block_size,
             block_size: config.block_size,
-            max_batch_size: config.max_batch_size,
+            max_batch_size: sizes.max_batch_size,
             max_prefill_tokens: config.max_prefill_tokens,
             kv_cache_dtype: config.kv_cache_dtype,
             eos_token_ids: model_config.eos_token_ids.clone(),
@@ -507,6 +608,65 @@ mod tests {
         let fp8 = Config { kv_cache_dtype: KvCacheDtype::Fp8, ..config };
         let message = auto_device(&fp8, Device::Cuda(0), &model, 1).unwrap_err().to_string();
         assert!(message.contains("head_dim 16 with 2 query heads") && message.contains("fp8"), "{message}");
+    }
+
+    const GB: usize = 1 << 30;
+
+    fn qwen3_shape() -> ModelConfig {
+        ModelConfig::from_hf_json(
+            r#"{"architectures": ["Qwen3ForCausalLM"], "vocab_size": 151936, "hidden_size": 1024, "head_dim": 128,
+            "intermediate_size": 3072, "num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8,
+            "max_position_embeddings": 40960}"#,
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn a_gpu_fills_its_memory_share_with_kv_blocks_after_the_weights_and_one_steps_activations() {
+        let model = qwen3_shape();
+        let config = Config::new("qwen3-shape");
+        let step = StepShape { max_batch_size: 256, max_prefill_tokens: 8192, max_model_len: 40960 };
+        let memory = GpuMemory { in_use: 2 * GB, total: 80 * GB, ranks_sharing: 1 };
+        let tokens = gpu_kv_cache_tokens(&model, &config, memory, step).unwrap();
+        // 28 layers x K and V x 8 heads x 128 x bf16 = 112 KiB a token.
+        let per_token = 28 * 2 * 8 * 128 * 2;
+        let activations = 8192 * 2 * (4 * 1024 + 2 * 4096 + 3 * 3072) + 256 * 151936 * 2;
+        let spare = (80.0 * 0.9) as usize * GB - 2 * GB - activations - GPU_RESERVE_BYTES;
+        assert_eq!(tokens, spare / per_token / 16 * 16);
+        assert!(tokens > 600_000, "{tokens}");
+        // fp8 stores one byte a value: twice the tokens; two ranks on one GPU: half each.
+        let fp8 = Config { kv_cache_dtype: KvCacheDtype::Fp8, ..config.clone() };
+        assert_eq!(gpu_kv_cache_tokens(&model, &fp8, memory, step).unwrap(), spare / (per_token / 2) / 16 * 16);
+        let shared = GpuMemory { ranks_sharing: 2, ..memory };
+        assert_eq!(gpu_kv_cache_tokens(&model, &config, shared, step).unwrap(), spare / 2 / per_token / 16 * 16);
+        // Never more than every slot can use.
+        let few = StepShape { max_batch_size: 2, max_prefill_tokens: 8192, max_model_len: 1000 };
+        assert_eq!(gpu_kv_cache_tokens(&model, &config, memory, few).unwrap(), 2 * 1008);
+        // A full GPU says what to change.
+        let full = GpuMemory { in_use: 72 * GB, ..memory };
+        let message = gpu_kv_cache_tokens(&model, &config, full, step).unwrap_err().to_string();
+        assert!(message.contains("no room for a KV cache") && message.contains("gpu_memory_utilization"), "{message}");
+    }
+
+    #[test]
+    fn ranks_listed_on_one_gpu_share_its_kv_budget() {
+        let parallel = |devices: Vec<usize>| ParallelConfig { tensor_parallel_size: devices.len().max(2), devices };
+        assert_eq!(ranks_per_device(&parallel(Vec::new())), 1);
+        assert_eq!(ranks_per_device(&parallel(vec![0, 1])), 1);
+        assert_eq!(ranks_per_device(&parallel(vec![0, 0, 1])), 2);
+    }
+
+    #[test]
+    fn unset_sizes_take_the_cpus_defaults_and_a_bad_utilization_is_refused() {
+        let config = Config::new("m");
+        assert_eq!((config.max_batch_size, config.kv_cache_tokens), (None, None));
+        for bad in [0.0, -0.5, 1.5, f64::NAN] {
+            let c = Config { gpu_memory_utilization: bad, ..config.clone() };
+            let message = c.validate().unwrap_err().to_string();
+            assert!(message.contains("gpu_memory_utilization"), "{message}");
+        }
+        assert!(Config { max_batch_size: Some(0), ..config.clone() }.validate().is_err());
+        assert!(Config { kv_cache_tokens: Some(8), ..config }.validate().is_err());
     }
 
     #[test]

@@ -23,8 +23,8 @@ fn coordinator() -> Option<RuntimeCoordinator> {
     };
     let mut c = Config::new(path.to_string_lossy().to_string());
     c.device = "cpu".into();
-    c.max_batch_size = 4;
-    c.kv_cache_tokens = 2048;
+    c.max_batch_size = Some(4);
+    c.kv_cache_tokens = Some(2048);
     Some(RuntimeCoordinator::new(c).expect("default model loads"))
 }
 

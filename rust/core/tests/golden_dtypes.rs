@@ -214,8 +214,8 @@ fn bf16_default_model_keeps_transformers_greedy_ids() {
     };
     let mut c = Config::new(path.to_string_lossy().to_string());
     c.device = "cpu".into();
-    c.max_batch_size = 4;
-    c.kv_cache_tokens = 2048;
+    c.max_batch_size = Some(4);
+    c.kv_cache_tokens = Some(2048);
     c.dtype = Some(WeightDtype::Bf16);
     let coord = RuntimeCoordinator::new(c).expect("default model loads");
     assert!(coord.info().device.contains("bf16"), "{}", coord.info().device);

@@ -194,7 +194,7 @@ impl PyConfig {
     #[new]
     #[pyo3(signature = (model=None, device=None, max_batch_size=None, kv_cache_tokens=None, block_size=None,
         max_model_len=None, context_cache=None, parallel=None, dtype=None, max_prefill_tokens=None,
-        kv_cache_dtype=None))]
+        kv_cache_dtype=None, gpu_memory_utilization=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -209,20 +209,20 @@ impl PyConfig {
         dtype: Option<&str>,
         max_prefill_tokens: Option<usize>,
         kv_cache_dtype: Option<&str>,
+        gpu_memory_utilization: Option<f64>,
     ) -> PyResult<Self> {
         let mut c = Self::default_config();
         c.model = model.map(|m| m.to_string_lossy().into_owned());
         if let Some(v) = device {
             c.inner.device = v;
         }
-        if let Some(v) = max_batch_size {
-            c.inner.max_batch_size = v;
-        }
+        c.inner.max_batch_size = max_batch_size;
         if let Some(v) = max_prefill_tokens {
             c.inner.max_prefill_tokens = v;
         }
-        if let Some(v) = kv_cache_tokens {
-            c.inner.kv_cache_tokens = v;
+        c.inner.kv_cache_tokens = kv_cache_tokens;
+        if let Some(v) = gpu_memory_utilization {
+            c.inner.gpu_memory_utilization = v;
         }
         if let Some(v) = block_size {
             c.inner.block_size = v;
@@ -252,17 +252,23 @@ impl PyConfig {
     fn device(&self) -> &str {
         &self.inner.device
     }
+    /// None: the device's default (8 on the CPU, 256 on a GPU); `RuntimeCoordinator.info()` has the value used.
     #[getter]
-    fn max_batch_size(&self) -> usize {
+    fn max_batch_size(&self) -> Option<usize> {
         self.inner.max_batch_size
     }
     #[getter]
     fn max_prefill_tokens(&self) -> usize {
         self.inner.max_prefill_tokens
     }
+    /// None: the device's default (16,384 on the CPU; on a GPU, sized from gpu_memory_utilization).
     #[getter]
-    fn kv_cache_tokens(&self) -> usize {
+    fn kv_cache_tokens(&self) -> Option<usize> {
         self.inner.kv_cache_tokens
+    }
+    #[getter]
+    fn gpu_memory_utilization(&self) -> f64 {
+        self.inner.gpu_memory_utilization
     }
     #[getter]
     fn block_size(&self) -> usize {
@@ -298,7 +304,8 @@ impl PyConfig {
             "max_batch_size" => self.inner.max_batch_size, "kv_cache_tokens" => self.inner.kv_cache_tokens,
             "block_size" => self.inner.block_size, "max_model_len" => self.inner.max_model_len,
             "context_cache" => self.context_cache(), "parallel" => self.parallel(), "dtype" => self.dtype(),
-            "max_prefill_tokens" => self.inner.max_prefill_tokens, "kv_cache_dtype" => self.kv_cache_dtype())
+            "max_prefill_tokens" => self.inner.max_prefill_tokens, "kv_cache_dtype" => self.kv_cache_dtype(),
+            "gpu_memory_utilization" => self.inner.gpu_memory_utilization)
     }
 }
 

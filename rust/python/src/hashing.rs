@@ -57,6 +57,13 @@ impl HashValue for f32 {
     }
 }
 
+impl HashValue for f64 {
+    fn hash_value(&self, h: &mut DefaultHasher) {
+        let bits = if *self == 0.0 { 0 } else { self.to_bits() };
+        bits.hash(h)
+    }
+}
+
 impl<T: HashValue> HashValue for Option<T> {
     fn hash_value(&self, h: &mut DefaultHasher) {
         match self {
@@ -106,7 +113,8 @@ fields!(BatchResult: identity, prompt_ids, output_ids, text, finish_reason, stop
 fields!(StepResult: ok, work, step_id, participants, execution, deltas, finished, published_prefix);
 fields!(AdmissionIntent: request_id, original_index, request, prompt_ids);
 fields!(ParallelConfig: tensor_parallel_size, devices);
-fields!(Config: model, device, max_batch_size, max_prefill_tokens, kv_cache_tokens, block_size, max_model_len, context_cache, parallel, dtype, kv_cache_dtype);
+fields!(Config: model, device, max_batch_size, max_prefill_tokens, kv_cache_tokens, gpu_memory_utilization, block_size, max_model_len, context_cache,
+    parallel, dtype, kv_cache_dtype);
 
 impl HashValue for Prompt {
     fn hash_value(&self, h: &mut DefaultHasher) {

@@ -113,6 +113,11 @@ pub trait ModelRunner: Send {
     fn parameter_count(&self) -> usize;
     /// Bytes the weights take where they are kept (host memory on the CPU, device memory on a GPU).
     fn weight_bytes(&self) -> usize;
+    /// (bytes in use, total bytes) of the GPU this runner's model lives on, for sizing its KV cache; None where
+    /// the model lives in host memory.
+    fn device_memory(&self) -> Option<(usize, usize)> {
+        None
+    }
     /// Capture CUDA graphs for decode; false where the backend has none (the CPU).
     fn capture_decode_graphs(&mut self, _max_batch_size: usize) -> Result<bool> {
         Ok(false)

@@ -19,8 +19,8 @@ pub fn fixture_dir(name: &str) -> PathBuf {
 pub fn small_config(name: &str, slots: usize, kv_tokens: usize, block_size: usize) -> Config {
     let mut c = Config::new(fixture_dir(name).to_string_lossy().to_string());
     c.device = "cpu".into();
-    c.max_batch_size = slots;
-    c.kv_cache_tokens = kv_tokens;
+    c.max_batch_size = Some(slots);
+    c.kv_cache_tokens = Some(kv_tokens);
     c.block_size = block_size;
     c
 }

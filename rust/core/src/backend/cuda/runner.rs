@@ -323,6 +323,10 @@ impl ModelRunner for CudaRunner {
         self.model.parameter_count()
     }
 
+    fn device_memory(&self) -> Option<(usize, usize)> {
+        self.backend.gpu().memory_in_use()
+    }
+
     fn weight_bytes(&self) -> usize {
         self.model.weight_bytes()
     }
