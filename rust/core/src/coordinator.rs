@@ -221,13 +221,14 @@ fn ranks_per_device(parallel: &ParallelConfig) -> usize {
 }
 
 /// KV tokens that fit in `gpu_memory_utilization` of the GPU beside what is in use and one step's activations
-/// (the largest prefill's and the logits of every slot, in bf16, with room for the intermediate products), in
-/// whole blocks; never more than every slot can use at max_model_len.
+/// (the largest prefill's, with its attention workspace, and the logits of every slot), in whole blocks; never more
+/// than every slot can use at max_model_len.
 fn gpu_kv_cache_tokens(model: &crate::model::ModelConfig, config: &Config, memory: GpuMemory, step: StepShape) -> Result<usize> {
     let element = if config.kv_cache_dtype == KvCacheDtype::Fp8 { 1 } else { 2 };
     let per_token = model.num_layers * 2 * model.num_kv_heads * model.head_dim * element;
     let q_kv_width = (model.num_heads + 2 * model.num_kv_heads) * model.head_dim;
-    let activation_row = 2 * (4 * model.hidden_size + 2 * q_kv_width + 3 * model.intermediate_size);
+    // bf16 activations of a prompt token, and the f32 partials its attention leaves in the split-K workspace.
+    let activation_row = 2 * (4 * model.hidden_size + 2 * q_kv_width + 3 * model.intermediate_size) + 4 * model.num_heads * (model.head_dim + 2);
     let activations = step.max_prefill_tokens * activation_row + step.max_batch_size * model.vocab_size * 2;
     let allowed = (memory.total as f64 * config.gpu_memory_utilization) as usize;
     let spare = allowed.saturating_sub(memory.in_use + activations + GPU_RESERVE_BYTES);
@@ -630,7 +631,7 @@ mod tests {
         let tokens = gpu_kv_cache_tokens(&model, &config, memory, step).unwrap();
         // 28 layers x K and V x 8 heads x 128 x bf16 = 112 KiB a token.
         let per_token = 28 * 2 * 8 * 128 * 2;
-        let activations = 8192 * 2 * (4 * 1024 + 2 * 4096 + 3 * 3072) + 256 * 151936 * 2;
+        let activations = 8192 * (2 * (4 * 1024 + 2 * 4096 + 3 * 3072) + 4 * 16 * 130) + 256 * 151936 * 2;
         let spare = (80.0 * 0.9) as usize * GB - 2 * GB - activations - GPU_RESERVE_BYTES;
         assert_eq!(tokens, spare / per_token / 16 * 16);
         assert!(tokens > 600_000, "{tokens}");
