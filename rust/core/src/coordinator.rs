@@ -159,9 +159,9 @@ fn auto_device(config: &Config, device: Device, model: &crate::model::ModelConfi
     Ok(Device::Cpu)
 }
 
-/// Defaults of the sizes a Config may leave unset (None): on the CPU, small ones (one core's worth of work and
-/// 16,384 tokens of f32 K/V take 0.6 GB for SmolLM2-135M); on a GPU, vLLM's: hundreds of sequences and most of the
-/// device's memory for the KV cache.
+/// Defaults of the sizes a Config may leave unset (None): on the CPU small ones (16,384 tokens of f32 K/V are
+/// 0.75 GB for SmolLM2-135M); on a GPU vLLM's: hundreds of sequences and most of the device's memory for the KV
+/// cache.
 pub const DEFAULT_CPU_MAX_BATCH_SIZE: usize = 8;
 pub const DEFAULT_CPU_KV_CACHE_TOKENS: usize = 16384;
 pub const DEFAULT_GPU_MAX_BATCH_SIZE: usize = 256;
@@ -178,6 +178,7 @@ struct RuntimeSizes {
 }
 
 impl RuntimeSizes {
+    /// `runner` is the model's (under tensor parallelism rank 0's: its GPU stands for every rank's).
     fn resolve(config: &Config, runner: &dyn crate::model::ModelRunner, max_model_len: usize) -> Result<Self> {
         let Some((in_use, total)) = runner.device_memory() else {
             return Ok(Self {
