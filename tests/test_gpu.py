@@ -2,7 +2,8 @@
 
 Random-weight checkpoints of real shapes are made once per session (benchmarks/gpu_models.py) in
 $STEPLLM_GPU_MODELS or a temporary folder. Checks: next-token log-probabilities against transformers in bf16
-on the same GPU; GPU against our CPU backend; greedy agreement; CUDA-graph decode equals eager decode; the GEMV
+on the same GPU; GPU against our CPU backend; greedy agreement; the KV cache sized from the GPU's memory when
+kv_cache_tokens is unset; CUDA-graph decode equals eager decode; the GEMV
 kernels and the skinny GEMM against cuBLAS; sampling options on the GPU; the stepped API on the GPU (admission
 mid-stream, prefix-cache hit vs miss, cancel and abort releasing everything); the fp8 KV cache against
 transformers with a cache that rounds K and V to fp8, its memory, and its prefix-cache hits.
