@@ -416,8 +416,9 @@ int main(int argc, char** argv) {
 void mlp_launch(const Gpu& g, bf16* h, const float* norm, const bf16* gu, const bf16* down, MlpAccumulator acc) {
     const int groups = FF / 8, grid = g.sms < groups ? g.sms : groups, words = (groups + grid - 1) / grid;
     const int rpt = (HIDDEN + MLP_THREADS - 1) / MLP_THREADS;
-    if (words != 3 || rpt != 4) {
-        fprintf(stderr, "this benchmark instantiates W = 3, RPT = 4 only (got %d, %d)\n", words, rpt);
+    if (words != 3 || rpt != 4 || grid > MLP_MAX_BLOCKS) {
+        fprintf(stderr, "this benchmark instantiates W = 3, RPT = 4 for at most %d blocks (got %d, %d, %d)\n",
+                MLP_MAX_BLOCKS, words, rpt, grid);
         exit(1);
     }
     const size_t smem = (size_t)HIDDEN * 6 + 2ull * 8 * words * HIDDEN * 2 + 8 * words * 2;

@@ -113,30 +113,27 @@ fn top_two_margin(row: &[f32]) -> (u32, f32) {
     (best, row[best as usize] - second)
 }
 
+/// `compare` on every fixture; the clear greedy tokens checked, all fixtures together.
+fn compare_fixtures(dtype: WeightDtype, tolerance: f32) -> usize {
+    ["llama", "qwen2", "qwen3"].iter().map(|name| compare(name, dtype, tolerance).greedy_checked).sum()
+}
+
 #[test]
 fn bf16_weights_stay_close_to_transformers() {
-    let mut checked = 0;
-    for name in ["llama", "qwen2", "qwen3"] {
-        checked += compare(name, WeightDtype::Bf16, 3e-2).greedy_checked;
-    }
+    let checked = compare_fixtures(WeightDtype::Bf16, 3e-2);
     assert!(checked >= 100, "too few clear greedy tokens to mean anything ({checked})");
 }
 
 #[test]
 fn int8_weights_stay_close_to_transformers() {
-    for name in ["llama", "qwen2", "qwen3"] {
-        compare(name, WeightDtype::Int8, 1.2e-1);
-    }
+    compare_fixtures(WeightDtype::Int8, 1.2e-1);
 }
 
 /// a8 rounds the weights to 8 bits per 32 and every matmul's activations to 8 bits per 32 values: finer weights
 /// than int8's one scale per row, coarser activations.
 #[test]
 fn a8_stays_close_to_transformers() {
-    let mut checked = 0;
-    for name in ["llama", "qwen2", "qwen3"] {
-        checked += compare(name, WeightDtype::A8, 1.2e-1).greedy_checked;
-    }
+    let checked = compare_fixtures(WeightDtype::A8, 1.2e-1);
     assert!(checked >= 60, "too few clear greedy tokens to mean anything ({checked})");
 }
 

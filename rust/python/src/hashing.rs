@@ -50,19 +50,18 @@ via_hash!(
     stepllm_core::backend::KvCacheDtype
 );
 
-impl HashValue for f32 {
-    fn hash_value(&self, h: &mut DefaultHasher) {
-        let bits = if *self == 0.0 { 0 } else { self.to_bits() };
-        bits.hash(h)
-    }
+// Floats hash their bits, with -0.0 as 0.0 (they compare equal).
+macro_rules! float_hash {
+    ($($t:ty),*) => {$(
+        impl HashValue for $t {
+            fn hash_value(&self, h: &mut DefaultHasher) {
+                let bits = if *self == 0.0 { 0 } else { self.to_bits() };
+                bits.hash(h)
+            }
+        }
+    )*};
 }
-
-impl HashValue for f64 {
-    fn hash_value(&self, h: &mut DefaultHasher) {
-        let bits = if *self == 0.0 { 0 } else { self.to_bits() };
-        bits.hash(h)
-    }
-}
+float_hash!(f32, f64);
 
 impl<T: HashValue> HashValue for Option<T> {
     fn hash_value(&self, h: &mut DefaultHasher) {

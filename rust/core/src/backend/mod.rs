@@ -88,6 +88,14 @@ impl KvCacheDtype {
             Self::Fp8 => "fp8",
         }
     }
+
+    /// Bytes one K or V value takes in a GPU's cache (bf16 or fp8).
+    pub fn gpu_value_bytes(self) -> usize {
+        match self {
+            Self::Auto => 2,
+            Self::Fp8 => 1,
+        }
+    }
 }
 
 /// Size of the paged KV cache. A slot is `block * block_size + offset`; every layer has

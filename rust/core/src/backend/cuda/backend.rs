@@ -884,11 +884,7 @@ impl Backend for CudaBackend {
     fn allocate_kv_cache(&self, shape: KvCacheShape) -> Result<CudaKvCache> {
         // Load the cache's kernels now: a failure is a load-time error, and no module loads during a capture.
         self.cache_kernels(shape.dtype)?;
-        let bytes_per_value = match shape.dtype {
-            KvCacheDtype::Auto => 2,
-            KvCacheDtype::Fp8 => 1,
-        };
-        let bytes = (shape.num_blocks + 1) * shape.block_size * shape.kv_dim() * bytes_per_value;
+        let bytes = (shape.num_blocks + 1) * shape.block_size * shape.kv_dim() * shape.dtype.gpu_value_bytes();
         let mut keys = Vec::with_capacity(shape.num_layers);
         let mut values = Vec::with_capacity(shape.num_layers);
         for _ in 0..shape.num_layers {
