@@ -225,8 +225,8 @@ fn ranks_per_device(parallel: &ParallelConfig) -> usize {
 /// (the largest prefill's, with its attention workspace, and the logits of every slot), in whole blocks; never more
 /// than every slot can use at max_model_len.
 fn gpu_kv_cache_tokens(model: &crate::model::ModelConfig, config: &Config, memory: GpuMemory, step: StepShape) -> Result<usize> {
-    let per_token = model.num_layers * 2 * model.num_kv_heads * model.head_dim * config.kv_cache_dtype.gpu_value_bytes();
-    let q_kv_width = (model.num_heads + 2 * model.num_kv_heads) * model.head_dim;
+    let per_token = model.num_layers * 2 * model.kv_dim() * config.kv_cache_dtype.gpu_value_bytes();
+    let q_kv_width = model.q_dim() + 2 * model.kv_dim();
     // bf16 activations of a prompt token, and the f32 partials its attention leaves in the split-K workspace.
     let activation_row = 2 * (4 * model.hidden_size + 2 * q_kv_width + 3 * model.intermediate_size) + 4 * model.num_heads * (model.head_dim + 2);
     let activations = step.max_prefill_tokens * activation_row + step.max_batch_size * model.vocab_size * 2;
