@@ -140,7 +140,7 @@ def assert_greedy_agrees(
         return
 
 
-def top2_gaps(response) -> list[float]:
+def top2_gaps(response: stepllm.GenerationResponse) -> list[float]:
     """The top-2 log-probability gap at each generated position of a response made with logprobs >= 2."""
     return [lp.top[0][1] - lp.top[1][1] for lp in response.logprobs]
 
