@@ -550,10 +550,10 @@ __device__ void paged_attention_mma(const bf16* __restrict__ qkv, int width, con
     // As in the ROPE variant: the first sub-steps' past K and V are loaded before the wait, all but the newest
     // position, which this block writes below.
     const int newest = range.ctx - 1;
-    Mma mma(range.begin, range.end, g, num_kv_heads, block_size, range.table);
+    Mma mma(range.begin, range.end, g, num_kv_heads, block_size, range.table, k_cache, v_cache);
     typename Mma::Regs buf[2];
-    mma.load(buf[0], 0, k_cache, v_cache, newest);
-    mma.load(buf[1], 1, k_cache, v_cache, newest);
+    mma.load(buf[0], 0, newest);
+    mma.load(buf[1], 1, newest);
     __shared__ RopeConstants<D> s_consts;
     stage_rope_constants<D>(rope, t, s_consts);
     kernel_begin();
@@ -563,7 +563,7 @@ __device__ void paged_attention_mma(const bf16* __restrict__ qkv, int width, con
     __syncthreads();
     mma.patch(buf[0], 0, s_new[0], s_new[1], newest);
     mma.patch(buf[1], 1, s_new[0], s_new[1], newest);
-    mma.run(buf, k_cache, v_cache, s_q, scale * LOG2_E);
+    mma.run(buf, s_q, scale * LOG2_E);
     mma.publish(s_acc[threadIdx.x >> 5], s_ml[threadIdx.x >> 5]);
     __syncthreads();
     merge_and_store<D, G>(s_acc, s_ml, s_split_ml, t, g, num_kv_heads, split, max_splits, range.nsplits, out, partial,

@@ -35,10 +35,26 @@ struct MmaOperand<fp8> {
         return *reinterpret_cast<const u32*>(&h);
     }
     __device__ static __forceinline__ void mma(float c[4], const u32 a[4], u32 b0, u32 b1) { mma_f16(c, a, b0, b1); }
-    // Two e4m3 values (the low 16 bits) as one f16 pair, the first in the low half.
-    __device__ static __forceinline__ u32 pair(u32 bytes) {
+    // The e4m3 values of the low (high) 16 bits of a word as one f16 pair, the first in the low half. On sm_89
+    // and newer one conversion each, reading the high half in place rather than after a shift.
+    __device__ static __forceinline__ u32 pair_lo(u32 bytes) {
+#if __CUDA_ARCH__ >= 890
+        u32 h;
+        asm("{.reg .b16 lo, hi;\n mov.b32 {lo, hi}, %1;\n cvt.rn.f16x2.e4m3x2 %0, lo;}" : "=r"(h) : "r"(bytes));
+        return h;
+#else
         const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(bytes & 0xffffu), __NV_E4M3);
         return (u32)h.x | ((u32)h.y << 16);
+#endif
+    }
+    __device__ static __forceinline__ u32 pair_hi(u32 bytes) {
+#if __CUDA_ARCH__ >= 890
+        u32 h;
+        asm("{.reg .b16 lo, hi;\n mov.b32 {lo, hi}, %1;\n cvt.rn.f16x2.e4m3x2 %0, hi;}" : "=r"(h) : "r"(bytes));
+        return h;
+#else
+        return pair_lo(bytes >> 16);
+#endif
     }
 };
 
@@ -69,11 +85,20 @@ struct MmaDecode {
     FastDiv bdiv;
     const u32* table;
     u32 tab[2];              // lane i: block-table entry of this warp's sub-step 32 * window + i (two windows)
+    // The caches offset by this thread's first K and V element of a sub-step (position row, dims col * KE..;
+    // position 2 col, dims D / 8 * row..), so that a sub-step's addresses are one multiply-add from its 16-position
+    // unit plus constant offsets: on sm_90 that took a load from about 150 instructions to about 65
+    // (benchmarks/RESULTS.md, 2026-12-06).
+    const char* k_thread;
+    const char* v_thread;
 
-    __device__ __forceinline__ MmaDecode(int begin_, int end_, int g_, int num_kv_heads_, int block_size_, const u32* table_)
+    __device__ __forceinline__ MmaDecode(int begin_, int end_, int g_, int num_kv_heads_, int block_size_,
+                                         const u32* table_, const KV* k_cache, const KV* v_cache)
         : lane(threadIdx.x & 31), warp(threadIdx.x >> 5), row((threadIdx.x & 31) >> 2), col(threadIdx.x & 3),
           begin(begin_), end(end_), steps((end_ - begin_ + 15) >> 4), g(g_), num_kv_heads(num_kv_heads_),
-          block_size(block_size_), bdiv((u32)block_size_), table(table_) {
+          block_size(block_size_), bdiv((u32)block_size_), table(table_),
+          k_thread(reinterpret_cast<const char*>(k_cache + row * D + col * KE)),
+          v_thread(reinterpret_cast<const char*>(v_cache + 2 * col * D + row * (D / 8))) {
         fetch_window(0, 0);
         fetch_window(1, 1);
     }
@@ -89,40 +114,57 @@ struct MmaDecode {
         else tab[1] = entry;
     }
 
-    // Load sub-step k (no-op past the split). Positions past `end` and `skip` (the newest one, before this block
-    // has written it) read as zeros: a zero V times a zero probability adds nothing, whatever the cache held.
-    __device__ __forceinline__ void load(Regs& r, int k, const KV* k_cache, const KV* v_cache, int skip) {
+    // Byte offsets from a sub-step's first K (V) element of this thread to the element of load h, c (j, w).
+    __device__ static constexpr int k_offset(int h, int c) { return (8 * h * D + 4 * c * KE) * EB; }
+    __device__ static constexpr int v_offset(int j, int w) { return ((j & 1) + 8 * (j >> 1)) * D * EB + w * 4; }
+
+    // The sub-step's loads from this thread's first K and V element of it. CHECKED: positions past `end` and
+    // `skip` (the newest one, before this block has written it) read as zeros: a zero V times a zero
+    // probability adds nothing, whatever the cache held. Unchecked, every position is live (a whole sub-step
+    // inside the split, and not the newest).
+    template <bool CHECKED>
+    __device__ __forceinline__ void load_positions(Regs& r, const char* kb, const char* vb, int base, int skip) {
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const int i = 8 * h + row;
+            const bool live = !CHECKED || (base + i < end && base + i != skip);
+#pragma unroll
+            for (int c = 0; c < KL; c++)
+                r.k[h][c] = live ? __ldcg(reinterpret_cast<const uint4*>(kb + k_offset(h, c))) : make_uint4(0, 0, 0, 0);
+        }
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            const int i = 2 * col + (j & 1) + 8 * (j >> 1);
+            const bool live = !CHECKED || (base + i < end && base + i != skip);
+            if constexpr (VW >= 4) {
+#pragma unroll
+                for (int w = 0; w < VW; w += 4) {
+                    const uint4 x = live ? __ldcg(reinterpret_cast<const uint4*>(vb + v_offset(j, w)))
+                                         : make_uint4(0, 0, 0, 0);
+                    r.v[j][w] = x.x, r.v[j][w + 1] = x.y, r.v[j][w + 2] = x.z, r.v[j][w + 3] = x.w;
+                }
+            } else {
+                const uint2 x = live ? __ldcg(reinterpret_cast<const uint2*>(vb + v_offset(j, 0))) : make_uint2(0, 0);
+                r.v[j][0] = x.x, r.v[j][1] = x.y;
+            }
+        }
+    }
+
+    // Load sub-step k (no-op past the split), reading `skip` as zeros (-1: none).
+    __device__ __forceinline__ void load(Regs& r, int k, int skip) {
         const int s = sub_step(k);
         if (s >= steps) return;
         if (k % TABLE == 0 && k >= TABLE) fetch_window(((k / TABLE) + 1) & 1, k / TABLE + 1);
         const u32 entry = __shfl_sync(0xffffffffu, ((k / TABLE) & 1) ? tab[1] : tab[0], k % TABLE);
         const int base = begin + 16 * s;
-        const int in_block = base - (int)bdiv.div((u32)base) * block_size;
-        const size_t first = ((size_t)entry * num_kv_heads + g) * block_size + in_block;  // position `base`
-#pragma unroll
-        for (int h = 0; h < 2; h++) {
-            const int i = 8 * h + row;
-            const bool live = base + i < end && base + i != skip;
-            const uint4* src = reinterpret_cast<const uint4*>(k_cache + (first + i) * D) + col;
-#pragma unroll
-            for (int c = 0; c < KL; c++) r.k[h][c] = live ? __ldcg(src + 4 * c) : make_uint4(0, 0, 0, 0);
-        }
-#pragma unroll
-        for (int j = 0; j < 4; j++) {
-            const int i = 2 * col + (j & 1) + 8 * (j >> 1);
-            const bool live = base + i < end && base + i != skip;
-            const KV* src = v_cache + (first + i) * D + row * (D / 8);
-            if constexpr (VW >= 4) {
-#pragma unroll
-                for (int w = 0; w < VW; w += 4) {
-                    const uint4 x = live ? __ldcg(reinterpret_cast<const uint4*>(src) + w / 4) : make_uint4(0, 0, 0, 0);
-                    r.v[j][w] = x.x, r.v[j][w + 1] = x.y, r.v[j][w + 2] = x.z, r.v[j][w + 3] = x.w;
-                }
-            } else {
-                const uint2 x = live ? __ldcg(reinterpret_cast<const uint2*>(src)) : make_uint2(0, 0);
-                r.v[j][0] = x.x, r.v[j][1] = x.y;
-            }
-        }
+        // The sub-step's 16 positions lie in one cache block (block sizes and split starts are multiples of
+        // 16); its first element is 16-position unit `unit` of the cache (u32: caches of up to 2^32 units).
+        const u32 in_block = (u32)base - bdiv.div((u32)base) * (u32)block_size;
+        const u32 unit = (entry * (u32)num_kv_heads + (u32)g) * ((u32)block_size >> 4) + (in_block >> 4);
+        const char* kb = k_thread + (size_t)unit * (16 * D * EB);
+        const char* vb = v_thread + (size_t)unit * (16 * D * EB);
+        if (base + 16 <= end && (skip < base || skip >= base + 16)) load_positions<false>(r, kb, vb, base, skip);
+        else load_positions<true>(r, kb, vb, base, skip);
     }
 
     // After the block has written the newest position (at `skip`) to the cache and to shared memory: put it
@@ -165,7 +207,7 @@ struct MmaDecode {
         if constexpr (EB == 2) {
             b0 = w[2 * sub], b1 = w[2 * sub + 1];
         } else {
-            b0 = Op::pair(w[sub]), b1 = Op::pair(w[sub] >> 16);
+            b0 = Op::pair_lo(w[sub]), b1 = Op::pair_hi(w[sub]);
         }
     }
 
@@ -181,8 +223,8 @@ struct MmaDecode {
             } else {
                 const u32 p = r.v[2 * half][j / 2], q = r.v[2 * half + 1][j / 2];
                 const u32 both = __byte_perm(p, q, (j & 1) ? 0x7362 : 0x5140);  // dims 2j, 2j + 1 interleaved
-                a[2 * half] = Op::pair(both);
-                a[2 * half + 1] = Op::pair(both >> 16);
+                a[2 * half] = Op::pair_lo(both);
+                a[2 * half + 1] = Op::pair_hi(both);
             }
         }
     }
@@ -248,18 +290,17 @@ struct MmaDecode {
     }
 
     // This warp's sub-steps, two in flight: `first` holds sub-steps 0 and 1 (loaded, and patched, by the caller).
-    __device__ __forceinline__ void run(Regs (&buf)[2], const KV* k_cache, const KV* v_cache, const float (*s_q)[D],
-                                        float qscale) {
+    __device__ __forceinline__ void run(Regs (&buf)[2], const float (*s_q)[D], float qscale) {
         u32 qa[KS][2];
         q_fragments(s_q, qa);
 #pragma unroll
         for (int j = 0; j < KS; j++) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
         for (int k = 0; sub_step(k) < steps; k += 2) {  // warp-uniform
             attend(buf[0], k, qa, qscale);
-            load(buf[0], k + 2, k_cache, v_cache, -1);
+            load(buf[0], k + 2, -1);
             if (sub_step(k + 1) >= steps) break;
             attend(buf[1], k + 1, qa, qscale);
-            load(buf[1], k + 3, k_cache, v_cache, -1);
+            load(buf[1], k + 3, -1);
         }
     }
 
