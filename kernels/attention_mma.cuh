@@ -87,7 +87,7 @@ struct MmaDecode {
     u32 tab[2];              // lane i: block-table entry of this warp's sub-step 32 * window + i (two windows)
     // The caches offset by this thread's first K and V element of a sub-step (position row, dims col * KE..;
     // position 2 col, dims D / 8 * row..), so that a sub-step's addresses are one multiply-add from its 16-position
-    // unit plus constant offsets: on sm_90 that took a load from about 150 instructions to about 65
+    // unit plus constant offsets: on sm_90 that took a load from about 125 instructions to about 60
     // (benchmarks/RESULTS.md, 2026-12-06).
     const char* k_thread;
     const char* v_thread;
