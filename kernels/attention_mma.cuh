@@ -69,8 +69,9 @@ struct MmaDecode {
     static constexpr int VW = D / 8 * EB / 4;   // 32-bit words of V per position and thread (its D / 8 dims)
     static constexpr int TABLE = 32;            // sub-steps per window of prefetched block-table entries
     // Resident blocks per SM the registers must allow: two sub-steps of K and V in flight take 128 registers
-    // per thread with a bf16 cache at head_dim 128, half that with fp8.
-    static constexpr int MIN_BLOCKS = EB == 1 || D == 64 ? 3 : 2;
+    // per thread with a bf16 cache at head_dim 128, half that with fp8. At head_dim 64 four blocks fit without
+    // spilling (127 registers for bf16, about 102 for fp8); fp8 at head_dim 128 spills at four (sm_90).
+    static constexpr int MIN_BLOCKS = D == 64 ? 4 : EB == 1 ? 3 : 2;
     static_assert(G <= 8 && (D == 64 || D == 128), "tensor-core decode attention: G <= 8, head_dim 64 or 128");
 
     // One sub-step's operands: K of positions row and row + 8, V of positions 2 col, +1, +8, +9 (of 16).
