@@ -35,25 +35,18 @@ struct MmaOperand<fp8> {
         return *reinterpret_cast<const u32*>(&h);
     }
     __device__ static __forceinline__ void mma(float c[4], const u32 a[4], u32 b0, u32 b1) { mma_f16(c, a, b0, b1); }
-    // The e4m3 values of the low (high) 16 bits of a word as one f16 pair, the first in the low half. On sm_89
-    // and newer one conversion each, reading the high half in place rather than after a shift.
-    __device__ static __forceinline__ u32 pair_lo(u32 bytes) {
+    // The four e4m3 values of a word as two f16 pairs: bytes 0, 1 in `lo`, bytes 2, 3 in `hi`, the first of each in
+    // its low half. On sm_89 and newer one conversion each, the high half read in place rather than after a shift.
+    __device__ static __forceinline__ void pairs(u32 bytes, u32& lo, u32& hi) {
 #if __CUDA_ARCH__ >= 890
-        u32 h;
-        asm("{.reg .b16 lo, hi;\n mov.b32 {lo, hi}, %1;\n cvt.rn.f16x2.e4m3x2 %0, lo;}" : "=r"(h) : "r"(bytes));
-        return h;
+        asm("{.reg .b16 l, h;\n mov.b32 {l, h}, %2;\n cvt.rn.f16x2.e4m3x2 %0, l;\n cvt.rn.f16x2.e4m3x2 %1, h;}"
+            : "=r"(lo), "=r"(hi)
+            : "r"(bytes));
 #else
-        const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(bytes & 0xffffu), __NV_E4M3);
-        return (u32)h.x | ((u32)h.y << 16);
-#endif
-    }
-    __device__ static __forceinline__ u32 pair_hi(u32 bytes) {
-#if __CUDA_ARCH__ >= 890
-        u32 h;
-        asm("{.reg .b16 lo, hi;\n mov.b32 {lo, hi}, %1;\n cvt.rn.f16x2.e4m3x2 %0, hi;}" : "=r"(h) : "r"(bytes));
-        return h;
-#else
-        return pair_lo(bytes >> 16);
+        const __half2_raw l = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(bytes & 0xffffu), __NV_E4M3);
+        const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(bytes >> 16), __NV_E4M3);
+        lo = (u32)l.x | ((u32)l.y << 16);
+        hi = (u32)h.x | ((u32)h.y << 16);
 #endif
     }
 };
@@ -208,7 +201,7 @@ struct MmaDecode {
         if constexpr (EB == 2) {
             b0 = w[2 * sub], b1 = w[2 * sub + 1];
         } else {
-            b0 = Op::pair_lo(w[sub]), b1 = Op::pair_hi(w[sub]);
+            Op::pairs(w[sub], b0, b1);
         }
     }
 
@@ -224,8 +217,7 @@ struct MmaDecode {
             } else {
                 const u32 p = r.v[2 * half][j / 2], q = r.v[2 * half + 1][j / 2];
                 const u32 both = __byte_perm(p, q, (j & 1) ? 0x7362 : 0x5140);  // dims 2j, 2j + 1 interleaved
-                a[2 * half] = Op::pair_lo(both);
-                a[2 * half + 1] = Op::pair_hi(both);
+                Op::pairs(both, a[2 * half], a[2 * half + 1]);
             }
         }
     }
