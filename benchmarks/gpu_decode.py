@@ -11,7 +11,9 @@ other GPUs on a machine's first run): prefix `CUDA_CACHE_PATH=$(mktemp -d)` to t
 --host-ticks  drives decode ticks through the stepped API (RuntimeCoordinator.begin_stepped, admit + prefill
               of B requests with --prompt tokens each, CUDA graphs captured) at --host-batches (1 8 64) and
               reports per decode tick the runtime's own StepExecution timing: elapsed_us, device_wait_us and
-              host = elapsed - device_wait, plus the Python-side wall time per tick of the decode loop.
+              host = elapsed - device_wait (mean, median, p90, p99, max), the ticks whose metadata stayed on
+              the device, plus the Python-side wall time per tick of the decode loop. --host-ticks-dump FILE
+              writes every timed tick's host µs in tick order (JSON), to see whether slow ticks come periodically.
 --mixed       the mixed workload: --mixed-requests (256) requests whose prompt and output lengths are each
               uniform in [100, 1024] (random token ids, seed 0, greedy, EOS ignored so each runs to its
               max_tokens), all submitted at once, continuously batched with max_batch_size = the request count;
@@ -132,13 +134,21 @@ def host_ticks_run(path: Path, batches: list[int], prompt_len: int, ticks: int, 
         if bad:
             raise RuntimeError(f"host ticks: a timed tick at batch {b} failed or lost a row: {bad[0]!r}")
         ex = [s.execution for s in steps]
+        host = sorted(e.elapsed_us - e.device_wait_us for e in ex)
         res[b] = {
             "elapsed_us": statistics.fmean(e.elapsed_us for e in ex),
             "device_wait_us": statistics.fmean(e.device_wait_us for e in ex),
             "host_us": statistics.fmean(e.elapsed_us - e.device_wait_us for e in ex),
-            "host_us_median": statistics.median(e.elapsed_us - e.device_wait_us for e in ex),
+            "host_us_median": statistics.median(host),
+            "host_us_p90": host[len(host) * 9 // 10],
+            "host_us_p99": host[len(host) * 99 // 100],
+            "host_us_max": host[-1],
+            # In tick order, to see whether the slow ticks come periodically (--host-ticks-dump).
+            "host_us_ticks": [e.elapsed_us - e.device_wait_us for e in ex],
             "python_us": wall / ticks * 1e6,
             "graph_ticks": sum(e.cuda_graph for e in ex),
+            # getattr: the wheels of earlier commits have no such field, and the benchmark measures them too.
+            "on_device_ticks": sum(getattr(e, "metadata_on_device", False) for e in ex),
             "ticks": ticks,
         }
     return res
@@ -161,8 +171,10 @@ def seat_residents(stepped, request, b: int) -> stepllm.ImmutableDecodeBatch:
 
 def host_ticks_line(shape: str, b: int, r: dict) -> str:
     return (f"host ticks {shape} batch {b}: elapsed {r['elapsed_us']:.1f} us/tick, device wait {r['device_wait_us']:.1f} us, "
-            f"host {r['host_us']:.1f} us (elapsed - device wait; median {r['host_us_median']:.1f}), "
-            f"python loop {r['python_us']:.1f} us/tick, graph replays {r['graph_ticks']}/{r['ticks']}")
+            f"host {r['host_us']:.1f} us (elapsed - device wait; median {r['host_us_median']:.1f}, p90 {r['host_us_p90']}, "
+            f"p99 {r['host_us_p99']}, max {r['host_us_max']}), "
+            f"python loop {r['python_us']:.1f} us/tick, graph replays {r['graph_ticks']}/{r['ticks']}, "
+            f"metadata on the device {r['on_device_ticks']}/{r['ticks']}")
 
 
 def mixed_workload(vocab: int, n: int = 256, lo: int = 100, hi: int = 1024, seed: int = 0) -> list[tuple[list[int], int]]:
@@ -284,6 +296,8 @@ def main() -> None:
     ap.add_argument("--host-ticks", action="store_true", help="per-tick host vs device time through the stepped API")
     ap.add_argument("--host-batches", nargs="*", type=int, default=[1, 8, 64])
     ap.add_argument("--ticks", type=int, default=200, help="timed decode ticks per batch size (--host-ticks)")
+    ap.add_argument("--host-ticks-dump", type=Path, default=None,
+                    help="write every timed tick's host µs, in tick order, per shape and batch to this JSON file")
     ap.add_argument("--mixed", action="store_true", help="256 requests, prompt and output lengths uniform in [100, 1024]")
     ap.add_argument("--mixed-requests", type=int, default=256)
     ap.add_argument("--mixed-paths", nargs="+", choices=["engine", "dispatch"], default=["engine", "dispatch"])
@@ -311,6 +325,10 @@ def main() -> None:
             for b in args.host_batches:
                 tick_rows.append((shape, b, ticks[b]))
                 print(host_ticks_line(shape, b, ticks[b]), flush=True)
+            if args.host_ticks_dump:
+                dump = json.loads(args.host_ticks_dump.read_text()) if args.host_ticks_dump.exists() else {}
+                dump[shape] = {str(b): ticks[b]["host_us_ticks"] for b in args.host_batches}
+                args.host_ticks_dump.write_text(json.dumps(dump))
         if args.mixed:
             mixed = mixed_run(path, args.mixed_requests, args.mixed_paths, max_prefill_tokens=args.max_prefill_tokens,
                               kv_cache_dtype=args.kv_cache_dtype)
@@ -337,11 +355,13 @@ def print_tables(rows: list, tick_rows: list, mixed_rows: list) -> None:
             print(f"| {s} | {b} | {ms:.3f} | {ts:,.0f} | {hf} |")
     if tick_rows:
         print("\nPer decode tick (stepped API, CUDA graphs captured; host = elapsed_us - device_wait_us):\n")
-        print("| shape | batch | elapsed µs | device wait µs | host µs | Python loop µs | graph replays |")
-        print("|---|---|---|---|---|---|---|")
+        print("| shape | batch | elapsed µs | device wait µs | host µs mean / median / p99 | Python loop µs | graph replays "
+              "| metadata on the device |")
+        print("|---|---|---|---|---|---|---|---|")
         for s, b, r in tick_rows:
-            print(f"| {s} | {b} | {r['elapsed_us']:.1f} | {r['device_wait_us']:.1f} | {r['host_us']:.1f} | "
-                  f"{r['python_us']:.1f} | {r['graph_ticks']}/{r['ticks']} |")
+            print(f"| {s} | {b} | {r['elapsed_us']:.1f} | {r['device_wait_us']:.1f} | {r['host_us']:.1f} / "
+                  f"{r['host_us_median']:.1f} / {r['host_us_p99']} | {r['python_us']:.1f} | {r['graph_ticks']}/{r['ticks']} | "
+                  f"{r['on_device_ticks']}/{r['ticks']} |")
     if mixed_rows:
         print("\nMixed workload (prompt and output lengths uniform in [100, 1024], greedy, EOS ignored, all submitted at once):\n")
         print("| shape | path | requests | generated tokens | total s | output tok/s |")

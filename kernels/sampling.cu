@@ -103,11 +103,19 @@ __device__ u32 nth_tie(const float* w, const unsigned char* kept, int V, u32 key
     return *shared_out;
 }
 
-// grid: rows; block: SAMPLE_THREADS. logits: bf16 [rows, V]; work: f32 [rows, V]; keep: u8 [rows, V].
+// Row r's drawn token: into out_tokens, and into the argmax keys in their format (low word ~token), where a decode
+// graph's first kernel finds the last step's tokens (kernels/decode_advance.cu).
+__device__ __forceinline__ void emit_token(u32* out_tokens, unsigned long long* keys, int r, u32 tok) {
+    out_tokens[r] = tok;
+    keys[r] = 0xffffffffu - tok;
+}
+
+// grid: rows; block: SAMPLE_THREADS. logits: bf16 [rows, V]; work: f32 [rows, V]; keep: u8 [rows, V]; keys:
+// u64 [rows].
 extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
     sample_rows(const bf16* __restrict__ logits, int V, const RowParams* __restrict__ params,
                 const u32* __restrict__ ids, const u32* __restrict__ bias, float* __restrict__ work,
-                unsigned char* __restrict__ keep, u32* __restrict__ out_tokens) {
+                unsigned char* __restrict__ keep, u32* __restrict__ out_tokens, unsigned long long* __restrict__ keys) {
     kernel_begin();
     __shared__ float fscratch[32];
     __shared__ u32 uscratch[32];
@@ -156,7 +164,7 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
     }
     if (p.greedy) {
         const u32 tok = argmax_row(w, V, fscratch, uscratch);
-        if (threadIdx.x == 0) out_tokens[r] = tok;
+        if (threadIdx.x == 0) emit_token(out_tokens, keys, r, tok);
         return;
     }
 
@@ -169,7 +177,7 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
     mx = block_max(mx, fscratch);
     if (!isfinite(mx)) {
         const u32 tok = argmax_row(w, V, fscratch, uscratch);
-        if (threadIdx.x == 0) out_tokens[r] = tok;
+        if (threadIdx.x == 0) emit_token(out_tokens, keys, r, tok);
         return;
     }
     const float floor_logit = p.min_p > 0.0f ? mx + logf(p.min_p) : -INFINITY;
@@ -272,6 +280,6 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
     if (threadIdx.x == 0) {
         u32 last = 0;
         for (int i = 0; i < (int)(blockDim.x >> 5); i++) last = max(last, uscratch[i]);
-        out_tokens[r] = shared_u32 != 0xffffffffu ? shared_u32 : (last > 0 ? last - 1 : 0);
+        emit_token(out_tokens, keys, r, shared_u32 != 0xffffffffu ? shared_u32 : (last > 0 ? last - 1 : 0));
     }
 }

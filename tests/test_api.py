@@ -194,6 +194,7 @@ def test_step_records_are_complete() -> None:
         assert last.step_id > first.step_id
         ex = last.execution
         assert ex.rows == 1 and ex.cuda_graph is False and ex.device_wait_us == 0 <= ex.elapsed_us
+        assert ex.metadata_on_device is False
     assert last is not None
     ((ref, result),) = last.finished
     assert ref == founder and result.identity.request_id == 5 and result.finish_reason == stepllm.FinishReason.LENGTH

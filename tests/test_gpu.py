@@ -479,6 +479,46 @@ def test_graph_decode_of_long_contexts_equals_eager(models_dir: Path) -> None:
     assert_released(graphed_coord)
 
 
+def decode_session(coord: stepllm.RuntimeCoordinator, requests: list[stepllm.GenerationRequest]) -> tuple[list[list[int]], list]:
+    """One stepped session: the first request as its founder, the others admitted, each prefilled, then every
+    resident decoded to its end. Returns each request's tokens and the decode steps' executions."""
+    stepped = coord.begin_stepped(requests[0])
+    stepped.prefill(stepllm.ImmutablePrefillBatch(target=stepped.founder()))
+    for i, request in enumerate(requests[1:], start=1):
+        adm = stepped.admit(request, original_index=i, request_id=i + 1)
+        stepped.prefill(stepllm.ImmutablePrefillBatch(target=adm.ref))
+    done, executions = decode_all(stepped)
+    return [done[i].output_ids for i in range(len(requests))], executions
+
+
+def test_graph_replays_continue_their_metadata_on_the_device(models_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A decode step that continues the replay before it (the same rows, one token on) takes its metadata from the
+    device, moved on by the graph's first kernel, and gives the tokens of replays that upload it every step
+    (STEPLLM_NO_DECODE_ADVANCE=1): greedy and seeded rows, rows ending at different steps, contexts crossing block
+    boundaries and running past the blocks reserved with their last upload."""
+    path = gpu_models.make("qwen3", models_dir)
+
+    def params(k: int) -> stepllm.SamplingParams:
+        n = [30, 100, 110, 130, 150][k]
+        if k % 2 == 0:
+            return greedy(n)
+        return stepllm.SamplingParams(max_tokens=n, temperature=0.8, top_p=0.9, seed=k, ignore_eos=True)
+
+    requests = [stepllm.GenerationRequest(PROMPT[: 9 + 7 * k], params(k)) for k in range(5)]
+    moved, steps = decode_session(coordinator(path, "cuda", graphs=True), requests)
+    monkeypatch.setenv("STEPLLM_NO_DECODE_ADVANCE", "1")
+    uploaded, upload_steps = decode_session(coordinator(path, "cuda", graphs=True), requests)
+    assert moved == uploaded
+    assert [len(t) for t in moved] == [30, 100, 110, 130, 150]
+    assert all(ex.cuda_graph for ex in steps + upload_steps)
+    assert not any(ex.metadata_on_device for ex in upload_steps)
+    # Uploads: the first step, the step after each row ends, and one whenever a row is about to run past the
+    # blocks reserved beyond its context at the last upload (49 to 64 steps after it): at least once in the 70
+    # steps between the first and the second row's end.
+    on_device = sum(ex.metadata_on_device for ex in steps)
+    assert 0.85 * len(steps) <= on_device < len(steps) - 5, (on_device, len(steps))
+
+
 @pytest.mark.parametrize("tiling,splits", [("1", None), ("2", None), ("1", "3")])
 @pytest.mark.parametrize("name", ["qwen3", "smollm2"])
 def test_tiled_prefill_attention_matches_transformers(name: str, tiling: str, splits: str | None, models_dir: Path,

@@ -130,6 +130,10 @@ class StepExecution:
     @property
     def cuda_graph(self) -> bool:
         """Whether the step's forward was replayed from a captured CUDA graph."""
+    @property
+    def metadata_on_device(self) -> bool:
+        """Whether that replay continued the one before it on the device (the same rows, one token on), so the
+        host skipped packing and copying the step's batch metadata."""
     def __eq__(self, other: object, /) -> bool: ...
     def __hash__(self) -> int: ...
 

@@ -70,6 +70,9 @@ pub struct StepExecution {
     pub device_wait_us: u64,
     /// Whether the step's forward was replayed from a captured CUDA graph.
     pub cuda_graph: bool,
+    /// Whether that replay continued the one before it on the device (the same rows, one token on), so the host
+    /// skipped packing and copying the step's batch metadata.
+    pub metadata_on_device: bool,
 }
 
 /// The single commit unit: everything in it happened together, nothing outside it happened.

@@ -553,6 +553,7 @@ impl StepClock {
             elapsed_us,
             device_wait_us: self.timing.device_wait_us.min(elapsed_us),
             cuda_graph: self.timing.cuda_graph,
+            metadata_on_device: self.timing.metadata_on_device,
         }
     }
 }

@@ -40,7 +40,7 @@ fn cpu_steps_report_no_device_wait() {
 fn pretend_coordinator(wait_us: u64) -> RuntimeCoordinator {
     watched_coordinator(Box::new(move |batch: &ForwardBatch| {
         std::thread::sleep(Duration::from_micros(wait_us));
-        Some(StepTiming { device_wait_us: wait_us, cuda_graph: batch.seqs.iter().all(|s| s.len == 1) })
+        Some(StepTiming { device_wait_us: wait_us, cuda_graph: batch.seqs.iter().all(|s| s.len == 1), metadata_on_device: false })
     }))
 }
 
@@ -82,7 +82,7 @@ fn steps_carry_the_runners_device_wait_and_graph_flag() {
 fn device_wait_is_capped_at_the_steps_elapsed_time() {
     // A runner whose clock claims more wait than the step lasted (here: absurdly more) must not make the
     // host time (elapsed - device_wait) underflow.
-    let coord = watched_coordinator(Box::new(|_: &ForwardBatch| Some(StepTiming { device_wait_us: u64::MAX / 2, cuda_graph: false })));
+    let coord = watched_coordinator(Box::new(|_: &ForwardBatch| Some(StepTiming { device_wait_us: u64::MAX / 2, cuda_graph: false, metadata_on_device: false })));
     let mut stepped = coord.begin_stepped(greedy_ids(&[1, 2, 3, 4, 5], 2), 1, 0).unwrap();
     let founder = stepped.founder();
     let first = stepped.prefill(&ImmutablePrefillBatch { target: founder }).unwrap();

@@ -236,10 +236,14 @@ impl PyStepExecution {
     fn cuda_graph(&self) -> bool {
         self.0.cuda_graph
     }
+    #[getter]
+    fn metadata_on_device(&self) -> bool {
+        self.0.metadata_on_device
+    }
     fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
         py_repr!(py, "StepExecution", "rows" => self.0.rows, "tokens" => self.0.tokens,
             "elapsed_us" => self.0.elapsed_us, "device_wait_us" => self.0.device_wait_us,
-            "cuda_graph" => self.0.cuda_graph)
+            "cuda_graph" => self.0.cuda_graph, "metadata_on_device" => self.0.metadata_on_device)
     }
 }
 

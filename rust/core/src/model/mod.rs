@@ -61,9 +61,16 @@ pub struct SeqSlice {
     pub len: usize,
     /// Tokens already in the KV cache before this step; the query tokens sit at positions past_len.. .
     pub past_len: usize,
-    /// Physical KV block ids covering positions 0..past_len+len, in order.
+    /// Physical KV block ids covering positions 0..past_len+len, in order; a decode row's goes on with up to
+    /// [`DECODE_TABLE_LOOKAHEAD`] blocks reserved for its next tokens.
     pub block_table: Vec<u32>,
 }
+
+/// Blocks past a decode row's context that the stepper appends to its `SeqSlice::block_table` when the row's
+/// lease holds them (the whole generate budget is reserved at admission): a CUDA decode graph uploads them, so
+/// the device can move the row into its next block by itself (backend/cuda/decode_advance.rs). Backends read
+/// only the blocks that cover the context.
+pub const DECODE_TABLE_LOOKAHEAD: usize = 4;
 
 /// vLLM-V1-style ragged batch: prefill, decode and mixed steps share one description.
 #[derive(Debug, Clone, PartialEq, Default)]
@@ -87,6 +94,8 @@ pub struct StepTiming {
     pub device_wait_us: u64,
     /// Whether the last forward was replayed from a captured CUDA graph.
     pub cuda_graph: bool,
+    /// Whether that replay moved the batch metadata on on the device instead of uploading it.
+    pub metadata_on_device: bool,
 }
 
 /// A loaded model on a device: owns weights and the paged KV cache.

@@ -1,7 +1,7 @@
 //! How a step's rows become one forward: their order, the ragged batch, and the forward with sampling.
 
 use crate::ids::ResidentRef;
-use crate::model::{ForwardBatch, SeqSlice};
+use crate::model::{ForwardBatch, SeqSlice, DECODE_TABLE_LOOKAHEAD};
 use crate::request::FinishReason;
 use crate::sampling::{RowContext, Sampled};
 use crate::session::{Ending, Phase};
@@ -11,7 +11,8 @@ use super::RuntimeStepper;
 
 impl RuntimeStepper {
     /// The ragged batch: each sequence's tokens of this step (`SequenceRow::query`), their positions and its
-    /// block table, and the logits of the rows that sample. It is built in the previous step's batch
+    /// block table (a running row's with the reserved blocks of `DECODE_TABLE_LOOKAHEAD`), and the logits of the
+    /// rows that sample. It is built in the previous step's batch
     /// (`batch_scratch`, handed back after the forward) to reuse its allocations.
     pub(super) fn plan_forward(&mut self, refs: &[ResidentRef]) -> ForwardBatch {
         let mut fb = std::mem::take(&mut self.batch_scratch);
@@ -26,6 +27,10 @@ impl RuntimeStepper {
             fb.tokens.extend_from_slice(query);
             fb.positions.extend((row.computed..row.computed + query.len()).map(|p| p as u32));
             let needed_blocks = (row.computed + query.len()).div_ceil(self.config.block_size);
+            let table_len = match row.phase {
+                Phase::Running => (needed_blocks + DECODE_TABLE_LOOKAHEAD).min(row.lease.blocks.len()),
+                Phase::Seated => needed_blocks,
+            };
             if i == fb.seqs.len() {
                 fb.seqs.push(SeqSlice { start: 0, len: 0, past_len: 0, block_table: Vec::new() });
             }
@@ -34,7 +39,7 @@ impl RuntimeStepper {
             seq.len = query.len();
             seq.past_len = row.computed;
             seq.block_table.clear();
-            seq.block_table.extend_from_slice(&row.lease.blocks[..needed_blocks]);
+            seq.block_table.extend_from_slice(&row.lease.blocks[..table_len]);
             if row.samples() {
                 fb.logits_for.push(start + query.len() - 1);
             }

@@ -164,6 +164,7 @@ struct Kernels {
     add_into: Func,
     select_rows: Func,
     argmax: Func,
+    advance: Func,
     bf16_cache: CacheKernels,
     fp8_cache: OnceLock<CacheKernels>,
     pub sample: Func,
@@ -259,6 +260,7 @@ impl Kernels {
             add_into: gpu.function("activation", "add_into")?,
             select_rows: gpu.function("activation", "select_rows")?,
             argmax: gpu.function("gemv", "argmax_rows")?,
+            advance: gpu.function("decode_advance", "advance_decode_meta")?,
             bf16_cache: CacheKernels::load(gpu, KvCacheDtype::Auto)?,
             fp8_cache: OnceLock::new(),
             sample: gpu.function("sampling", "sample_rows")?,
@@ -605,6 +607,25 @@ impl CudaBackend {
         Ok(st.argmax_keys.as_ref().unwrap().ptr())
     }
 
+    /// Record, while capturing a decode graph, its first kernel (kernels/decode_advance.cu): it moves the graph's
+    /// metadata (at `base`, laid out as `layout`, its header at `header`) one step on, from the argmax keys, unless
+    /// the host uploaded it. The keys must be reserved for the graph's rows (`reserve_logits_rows`).
+    pub(super) fn capture_decode_advance(&self, header: u64, base: u64, layout: &MetaLayout, block_size: usize) -> Result<()> {
+        let keys = self.argmax_keys(1)?;
+        let section = |offset: usize| Arg::Ptr(base + 4 * offset as u64);
+        let args = [
+            Arg::Ptr(header),
+            section(layout.tokens),
+            section(layout.positions),
+            section(layout.slots),
+            section(layout.seq_info),
+            section(layout.tables),
+            Arg::Ptr(keys),
+            Arg::I32(block_size as i32),
+        ];
+        self.inner.gpu.launch_plain(self.inner.kernels.advance, (1, 1, 1), 256, &args)
+    }
+
     /// Grow the per-row buffers ahead of graph capture for `rows` logits rows (capture cannot allocate).
     pub(super) fn reserve_logits_rows(&self, rows: usize) -> Result<()> {
         self.argmax_keys(rows).map(|_| ())
@@ -943,7 +964,9 @@ impl Backend for CudaBackend {
             Arg::Ptr(out.ptr()),
             Arg::I32(table.cols as i32),
         ];
-        self.inner.gpu.launch(self.inner.kernels.embed, (batch.n_tokens as u32, 1, 1), Self::block_for(table.cols), &args)
+        // Without programmatic dependence: in a decode graph the kernel before it writes the metadata (see
+        // `capture_decode_advance`), which the embedding and every later kernel may read before their wait.
+        self.inner.gpu.launch_plain(self.inner.kernels.embed, (batch.n_tokens as u32, 1, 1), Self::block_for(table.cols), &args)
     }
 
     fn rms_norm(&self, x: &CudaTensor, weight: &CudaVector, eps: f32, out: &mut CudaTensor) -> Result<()> {

@@ -169,6 +169,16 @@ impl Gpu {
 
     /// [`Gpu::launch`] with `smem` bytes of dynamic shared memory.
     pub fn launch_smem(&self, f: Func, grid: (u32, u32, u32), block: u32, smem: u32, args: &[Arg]) -> Result<()> {
+        self.launch_ordered(f, grid, block, smem, args, self.pdl)
+    }
+
+    /// [`Gpu::launch`] without programmatic dependent launch: `f` starts once the work before it is complete and
+    /// its writes are visible, so it may read what that work wrote before its griddepcontrol.wait.
+    pub fn launch_plain(&self, f: Func, grid: (u32, u32, u32), block: u32, args: &[Arg]) -> Result<()> {
+        self.launch_ordered(f, grid, block, 0, args, false)
+    }
+
+    fn launch_ordered(&self, f: Func, grid: (u32, u32, u32), block: u32, smem: u32, args: &[Arg], programmatic: bool) -> Result<()> {
         const MAX_ARGS: usize = 24;
         assert!(args.len() <= MAX_ARGS, "kernel launch with more than {MAX_ARGS} arguments");
         let mut slots = [0u64; MAX_ARGS];
@@ -179,7 +189,7 @@ impl Gpu {
         for (i, p) in ptrs.iter_mut().enumerate().take(args.len()) {
             *p = &mut slots[i] as *mut u64 as *mut c_void;
         }
-        if !self.pdl {
+        if !programmatic {
             // SAFETY: the argument slots outlive the call (the driver copies them at launch).
             return unsafe { result::launch_kernel(f.0, grid, (block, 1, 1), smem, self.cu_stream(), &mut ptrs[..args.len()]) }
                 .map_err(|e| device_err("kernel launch", e));

@@ -5,6 +5,7 @@
 
 pub mod backend;
 pub mod blas;
+pub mod decode_advance;
 pub mod device;
 pub mod gemv;
 pub mod parallel;

@@ -4,13 +4,16 @@
 //! A graph is captured by running the ordinary forward (model::llama) while the stream is capturing; the
 //! backend then points every kernel at one fixed metadata buffer. A replay packs the step's metadata (padded
 //! to the bucket with rows that write and read a dummy KV block) into pinned memory, copies it in one
-//! transfer, and launches the graph: no per-op host work and no allocation.
+//! transfer, and launches the graph: no per-op host work and no allocation. A step that continues the replay
+//! before it (the same rows, one token on) skips the packing and the copy: the graph's first kernel moves the
+//! metadata on (decode_advance.rs).
 
 use std::time::Instant;
 
 use cudarc::driver::{sys, CudaGraph};
 
 use super::backend::{CudaBackend, DeviceLogits, MetaLayout};
+use super::decode_advance::{self, DeviceRows, HEADER_WORDS};
 use super::device::{DeviceBuffer, PinnedBuffer};
 use super::sampler::Sampler;
 use crate::backend::{BatchPlan, KvCacheDtype};
@@ -31,10 +34,52 @@ unsafe impl Send for Graph {}
 struct DecodeGraphs {
     /// (batch size, graph, where it leaves its logits)
     buckets: Vec<(usize, Graph, DeviceLogits)>,
+    /// The metadata's sections, after its header of HEADER_WORDS words.
     layout: MetaLayout,
+    /// Header and metadata on the device, and as last packed on the host.
     meta: DeviceBuffer,
     staging: PinnedBuffer<u32>,
     table_cap: usize,
+    /// Whether the graphs begin with the kernel that moves their metadata on (STEPLLM_NO_DECODE_ADVANCE=1: no).
+    advance: bool,
+    /// The rows of the last replay as the device holds them, while the next step may continue them.
+    device_rows: Option<DeviceRows>,
+}
+
+impl DecodeGraphs {
+    /// Pack the step `batch` (validated as `plan`) for the graph of `bucket` into the staging buffer: the header
+    /// (the graph's first kernel leaves the metadata as uploaded), the metadata, each row's whole block table,
+    /// and padding rows up to the bucket. Returns the words to upload, or None when the tables do not fit. Sets
+    /// the device state the next step may continue from.
+    fn pack_fresh(&mut self, batch: &ForwardBatch, plan: &BatchPlan, bucket: usize, num_blocks: usize, block_size: usize) -> Option<usize> {
+        let entries: usize = batch.seqs.iter().map(|s| s.block_table.len()).sum();
+        if entries + 1 > self.table_cap {
+            return None;
+        }
+        let (n, lay) = (batch.seqs.len(), self.layout);
+        let host = self.staging.as_mut_slice();
+        host[..HEADER_WORDS].copy_from_slice(&[decode_advance::FRESH, n as u32, 0, 0]);
+        let meta = &mut host[HEADER_WORDS..];
+        lay.pack(plan, meta);
+        // The tables again, whole: with the blocks reserved past each context, for the device to move into.
+        let (head, tables) = meta.split_at_mut(lay.tables);
+        let seq_info = &mut head[lay.seq_info..lay.logits_rows];
+        let (entries, rows) = decode_advance::write_tables(batch, block_size, bucket, self.advance, tables, seq_info);
+        // Padding rows: token 0 at position 0, writing and reading only the dummy block.
+        let dummy_table = entries;
+        meta[lay.tables + dummy_table] = num_blocks as u32;
+        for i in n..bucket {
+            meta[lay.tokens + i] = 0;
+            meta[lay.positions + i] = 0;
+            meta[lay.slots + i] = (num_blocks * block_size) as u32;
+            meta[lay.token_seq + i] = i as u32;
+            let at = lay.seq_info + 5 * i;
+            meta[at..at + 5].copy_from_slice(&[i as u32, 1, 0, dummy_table as u32, 1]);
+            meta[lay.logits_rows + i] = i as u32;
+        }
+        self.device_rows = rows;
+        Some(HEADER_WORDS + lay.tables + entries + 1)
+    }
 }
 
 pub struct CudaRunner {
@@ -44,8 +89,9 @@ pub struct CudaRunner {
     graphs: Option<DecodeGraphs>,
     /// (num_blocks, block_size) of the allocated KV cache.
     kv: Option<(usize, usize)>,
-    /// Whether the last forward was a graph replay.
+    /// Whether the last forward was a graph replay, and whether it found its metadata on the device.
     last_replayed: bool,
+    last_advanced: bool,
     /// Microseconds the last forward spent blocked on the device.
     last_wait_us: u64,
     trace: Option<ReplayTrace>,
@@ -131,12 +177,13 @@ pub fn decode_buckets(max: usize) -> Vec<usize> {
 impl CudaRunner {
     pub fn new(model: LlamaModel<CudaBackend>, backend: CudaBackend) -> Self {
         let trace = ReplayTrace::from_env();
-        Self { model, backend, sampler: Sampler::default(), graphs: None, kv: None, last_replayed: false, last_wait_us: 0, trace }
+        Self { model, backend, sampler: Sampler::default(), graphs: None, kv: None, last_replayed: false, last_advanced: false, last_wait_us: 0, trace }
     }
 
     /// Forward on the device, leaving the logits there (None for an empty batch).
     fn forward_on_device(&mut self, batch: &ForwardBatch) -> Result<Option<DeviceLogits>> {
         self.last_replayed = false;
+        self.last_advanced = false;
         if let Some(logits) = self.try_replay(batch)? {
             self.last_replayed = true;
             return Ok(Some(logits));
@@ -144,6 +191,7 @@ impl CudaRunner {
         if let Some(trace) = self.trace.as_mut() {
             trace.sampled = None; // an eager forward is not "between replays"
         }
+        self.forget_device_rows(); // it may overwrite the argmax keys
         self.backend.state().logits_on_device = true;
         let result = self.model.forward(batch);
         let last = {
@@ -166,9 +214,10 @@ impl CudaRunner {
             && batch.logits_for.iter().enumerate().all(|(i, &r)| i == r)
             && batch.logits_for.len() == n
             && batch.seqs.iter().all(|s| s.len == 1);
-        let Some(&(bucket, ref graph, logits)) = graphs.buckets.iter().find(|(b, ..)| *b >= n) else {
+        let Some(index) = graphs.buckets.iter().position(|(b, ..)| *b >= n) else {
             return Ok(None);
         };
+        let (bucket, logits) = (graphs.buckets[index].0, graphs.buckets[index].2);
         if !decode {
             return Ok(None);
         }
@@ -176,36 +225,37 @@ impl CudaRunner {
         let tracing = self.trace.is_some();
         let mark = || tracing.then(Instant::now);
         let packing = mark();
-        let plan = BatchPlan::new(batch, block_size, num_blocks, self.model.config().vocab_size)?;
-        if plan.block_tables.len() + 1 > graphs.table_cap {
-            return Ok(None);
-        }
         let lay = graphs.layout;
-        let words = lay.tables + plan.block_tables.len() + 1;
-        let host = graphs.staging.as_mut_slice();
-        lay.pack(&plan, host);
-        // Padding rows: token 0 at position 0, writing and reading only the dummy block.
-        let dummy_table = plan.block_tables.len();
-        host[lay.tables + dummy_table] = num_blocks as u32;
-        for i in n..bucket {
-            host[lay.tokens + i] = 0;
-            host[lay.positions + i] = 0;
-            host[lay.slots + i] = (num_blocks * block_size) as u32;
-            host[lay.token_seq + i] = i as u32;
-            let at = lay.seq_info + 5 * i;
-            host[at..at + 5].copy_from_slice(&[i as u32, 1, 0, dummy_table as u32, 1]);
-            host[lay.logits_rows + i] = i as u32;
+        let uploaded_tables = &graphs.staging.as_slice()[HEADER_WORDS + lay.tables..];
+        let continues = graphs.device_rows.as_ref().is_some_and(|d| d.continues(batch, bucket, block_size, uploaded_tables));
+        let mut copying = mark();
+        if continues {
+            graphs.device_rows.as_mut().expect("checked above").step();
+            self.last_advanced = true;
+        } else {
+            graphs.device_rows = None;
+            let plan = BatchPlan::new(batch, block_size, num_blocks, self.model.config().vocab_size)?;
+            let Some(words) = graphs.pack_fresh(batch, &plan, bucket, num_blocks, block_size) else {
+                return Ok(None);
+            };
+            copying = mark();
+            // The context is bound by forward_and_sample, the only caller.
+            self.backend.gpu().upload(graphs.meta.ptr(), &graphs.staging.as_slice()[..words])?;
         }
-        // The context is bound by forward_and_sample, the only caller.
-        let gpu = self.backend.gpu();
-        let copying = mark();
-        gpu.upload(graphs.meta.ptr(), &graphs.staging.as_slice()[..words])?;
         let launching = mark();
-        graph.0.launch().map_err(|e| Error::Device(format!("CUDA graph launch (batch {bucket}): {e:?}")))?;
+        let Graph(graph) = &graphs.buckets[index].1;
+        graph.launch().map_err(|e| Error::Device(format!("CUDA graph launch (batch {bucket}): {e:?}")))?;
         if let (Some(trace), Some(packing), Some(copying), Some(launching)) = (self.trace.as_mut(), packing, copying, launching) {
             trace.record_launch(n, [packing, copying, launching, Instant::now()]);
         }
         Ok(Some(logits))
+    }
+
+    /// The next replay uploads its metadata: the device's may no longer follow from the last replay.
+    fn forget_device_rows(&mut self) {
+        if let Some(graphs) = self.graphs.as_mut() {
+            graphs.device_rows = None;
+        }
     }
 
     fn capture(&mut self, max_batch_size: usize) -> Result<DecodeGraphs> {
@@ -219,20 +269,22 @@ impl CudaRunner {
         let layout = MetaLayout::new(largest, largest, largest, table_cap);
         let gpu = self.backend.gpu();
         gpu.bind()?;
-        let meta = gpu.alloc(layout.total * 4)?;
-        let staging = PinnedBuffer::new(gpu, layout.total)?;
+        let meta = gpu.alloc((HEADER_WORDS + layout.total) * 4)?;
+        let staging = PinnedBuffer::new(gpu, HEADER_WORDS + layout.total)?;
+        let advance = std::env::var_os("STEPLLM_NO_DECODE_ADVANCE").is_none();
         self.backend.reserve_attention(largest, self.model.attention_shape())?;
         self.backend.reserve_logits_rows(largest)?;
         gpu.synchronize()?;
         {
             let mut st = self.backend.state();
-            st.capture = Some((meta.ptr(), layout));
+            st.capture = Some((meta.ptr() + 4 * HEADER_WORDS as u64, layout));
             st.keep_retired = true;
         }
         let mut captured = Vec::new();
         // Largest first: activations reach their final size in the first capture, so later ones reuse them.
+        let first_kernel = advance.then_some((meta.ptr(), layout));
         for &b in buckets.iter().rev() {
-            match self.capture_one(b, block_size) {
+            match self.capture_one(b, block_size, first_kernel) {
                 Ok(entry) => captured.push(entry),
                 Err(e) => {
                     self.backend.state().capture = None;
@@ -242,10 +294,12 @@ impl CudaRunner {
         }
         self.backend.state().capture = None;
         captured.reverse();
-        Ok(DecodeGraphs { buckets: captured, layout, meta, staging, table_cap })
+        Ok(DecodeGraphs { buckets: captured, layout, meta, staging, table_cap, advance, device_rows: None })
     }
 
-    fn capture_one(&mut self, b: usize, block_size: usize) -> Result<(usize, Graph, DeviceLogits)> {
+    /// Capture the graph of bucket `b`; `advance`: (header address, metadata layout) when it begins with the kernel
+    /// that moves its metadata on.
+    fn capture_one(&mut self, b: usize, block_size: usize, advance: Option<(u64, MetaLayout)>) -> Result<(usize, Graph, DeviceLogits)> {
         let dummy = ForwardBatch {
             tokens: vec![0; b],
             positions: (0..b).map(|i| (i % block_size) as u32).collect(),
@@ -258,7 +312,13 @@ impl CudaRunner {
         stream
             .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
             .map_err(|e| Error::Device(format!("cuStreamBeginCapture: {e:?}")))?;
-        let forward = self.model.forward(&dummy);
+        let forward = match advance {
+            Some((header, layout)) => self
+                .backend
+                .capture_decode_advance(header, header + 4 * HEADER_WORDS as u64, &layout, block_size)
+                .and_then(|()| self.model.forward(&dummy)),
+            None => self.model.forward(&dummy),
+        };
         let graph = stream.end_capture(sys::CUgraphInstantiate_flags(0));
         forward?;
         let graph = graph
@@ -286,6 +346,8 @@ impl ModelRunner for CudaRunner {
     fn forward(&mut self, batch: &ForwardBatch) -> Result<Vec<f32>> {
         self.backend.gpu().bind()?;
         self.last_replayed = false;
+        self.last_advanced = false;
+        self.forget_device_rows();
         // Launches and the wait for the logits are not told apart here: the whole call counts as device wait.
         let started = Instant::now();
         let logits = self.model.forward(batch);
@@ -305,6 +367,11 @@ impl ModelRunner for CudaRunner {
         let vocab = self.model.config().vocab_size;
         let sampled = self.sampler.sample(&self.backend, logits, vocab, rows);
         self.last_wait_us = self.sampler.last_wait_us;
+        // The next replay reads these tokens from the device (the argmax keys, which the sampler also writes).
+        match (&sampled, self.last_replayed, self.graphs.as_mut().and_then(|g| g.device_rows.as_mut())) {
+            (Ok(tokens), true, Some(rows)) => rows.record_sampled(tokens.iter().map(|s| s.token_id)),
+            _ => self.forget_device_rows(),
+        }
         if let (Some(trace), true) = (self.trace.as_mut(), self.last_replayed) {
             trace.record_sampled();
         }
@@ -312,7 +379,7 @@ impl ModelRunner for CudaRunner {
     }
 
     fn last_step_timing(&self) -> StepTiming {
-        StepTiming { device_wait_us: self.last_wait_us, cuda_graph: self.last_replayed }
+        StepTiming { device_wait_us: self.last_wait_us, cuda_graph: self.last_replayed, metadata_on_device: self.last_advanced }
     }
 
     fn device_description(&self) -> String {

@@ -50,7 +50,7 @@ impl Sampler {
         if n == 0 {
             return Ok(Vec::new());
         }
-        let tokens = if rows.iter().all(|ctx| is_plain_argmax(ctx.params)) { self.argmax_tokens(backend, logits.argmax, n)? } else { self.draw(backend, logits.ptr, vocab, rows)? };
+        let tokens = if rows.iter().all(|ctx| is_plain_argmax(ctx.params)) { self.argmax_tokens(backend, logits.argmax, n)? } else { self.draw(backend, logits, vocab, rows)? };
         let gpu = backend.gpu();
         let mut sampled = Vec::with_capacity(n);
         for (i, ctx) in rows.iter().enumerate() {
@@ -81,8 +81,9 @@ impl Sampler {
         Ok(host.as_slice()[..n].iter().map(|k| u32::MAX - (*k as u32)).collect())
     }
 
-    /// Run the sampling kernel over every row; returns the drawn tokens.
-    fn draw(&mut self, backend: &CudaBackend, logits: u64, vocab: usize, rows: &[RowContext]) -> Result<Vec<u32>> {
+    /// Run the sampling kernel over every row; returns the drawn tokens. The kernel also leaves them in the argmax
+    /// keys, where a decode graph's next replay reads its tokens (decode_advance.rs).
+    fn draw(&mut self, backend: &CudaBackend, logits: DeviceLogits, vocab: usize, rows: &[RowContext]) -> Result<Vec<u32>> {
         let n = rows.len();
         self.pack(rows);
         let gpu = backend.gpu();
@@ -105,7 +106,7 @@ impl Sampler {
         let bias_at = self.bias_offset;
         let out_dev = meta + 4 * words as u64;
         let args = [
-            Arg::Ptr(logits),
+            Arg::Ptr(logits.ptr),
             Arg::I32(vocab as i32),
             Arg::Ptr(meta),
             Arg::Ptr(meta + 4 * ids_at as u64),
@@ -113,6 +114,7 @@ impl Sampler {
             Arg::Ptr(work),
             Arg::Ptr(keep),
             Arg::Ptr(out_dev),
+            Arg::Ptr(logits.argmax),
         ];
         gpu.launch(backend.sample_kernel(), (n as u32, 1, 1), 1024, &args)?;
         let out = self.out.as_mut().unwrap();
