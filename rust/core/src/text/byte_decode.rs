@@ -78,6 +78,18 @@ impl ByteTable {
         }
     }
 
+    /// Token `id`'s bytes as text when they are complete UTF-8 on their own, not empty, do not end in U+FFFD and
+    /// are not dropped by `skip_special_tokens` (the library's decode of any valid text followed by the token
+    /// then appends exactly them); None otherwise and for ids outside the table.
+    pub fn standalone_text(&self, id: u32, skip_special_tokens: bool) -> Option<&str> {
+        let id = id as usize;
+        if id >= self.special.len() || (skip_special_tokens && self.special[id]) {
+            return None;
+        }
+        let text = std::str::from_utf8(&self.bytes[self.offsets[id] as usize..self.offsets[id + 1] as usize]).ok()?;
+        (!text.is_empty() && !text.ends_with('\u{FFFD}')).then_some(text)
+    }
+
     /// Token `id`'s own bytes (checked by the caller), which may be part of a UTF-8 character.
     pub fn token_bytes(&self, id: u32) -> &[u8] {
         &self.bytes[self.offsets[id as usize] as usize..self.offsets[id as usize + 1] as usize]

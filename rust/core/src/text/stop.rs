@@ -124,6 +124,14 @@ impl TextStream {
     /// Decodes the window into `self.window` and finds the text that the ids since `read_offset` add to it.
     fn decode_new_tokens(&mut self, tok: &Tokenizer) -> Result<AddedText> {
         self.window.clear();
+        // The usual step: every id before the new one has its text in `decoded` (complete), and the new id's text
+        // is complete on its own, so the window's decode would add exactly that text (byte-level tokenizers).
+        if self.read_offset + 1 == self.ids.len() {
+            if let Some(text) = tok.standalone_text(self.ids[self.read_offset], self.skip_special_tokens) {
+                self.window.push_str(text);
+                return Ok(AddedText { start: 0, is_complete: true });
+            }
+        }
         let split = self.read_offset - self.prefix_offset;
         let prefix_len = tok.decode_window_into(&self.ids[self.prefix_offset..], split, self.skip_special_tokens, &mut self.window)?;
         // The window's text extends the prefix's for byte-level decoders; slicing by length (as vLLM does)

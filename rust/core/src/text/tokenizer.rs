@@ -229,6 +229,14 @@ impl Tokenizer {
         Ok(prefix_len)
     }
 
+    /// Token `id`'s text when decoding any complete text followed by the token appends exactly it: for byte-level
+    /// tokenizers (whose decoding concatenates each token's bytes) a token that `skip_special_tokens` keeps, whose
+    /// bytes are complete UTF-8 and do not end in U+FFFD. None (also for other tokenizers and unknown ids) means
+    /// the text can only be had by decoding the token with its neighbours.
+    pub fn standalone_text(&self, id: u32, skip_special_tokens: bool) -> Option<&str> {
+        self.byte_table.as_ref()?.standalone_text(id, skip_special_tokens)
+    }
+
     /// The bytes token `id` adds to decoded text, before they are read as UTF-8: a token holding part of a
     /// character gives that part, where its text alone is U+FFFD (OpenAI's logprobs `bytes`). Byte-fallback
     /// tokens (`<0x0A>`) give their byte; SentencePiece pieces give their text with "▁" as a space (which
@@ -475,11 +483,21 @@ mod tests {
         assert!(tok.byte_table.is_some(), "a byte-level tokenizer gets a table");
         let library = |ids: &[u32], skip| tok.inner.decode(ids, skip).unwrap();
         let n = tok.vocab_size() as u32;
+        // A token's standalone text is what the library appends after complete text (here "Hi, ").
+        let prefix = tok.encode("Hi, ", false).unwrap();
+        let mut standalone = 0;
         for id in 0..n {
             for skip in [false, true] {
                 assert_eq!(tok.decode(&[id], skip).unwrap(), library(&[id], skip), "token {id}, skip {skip}");
+                if let Some(text) = tok.standalone_text(id, skip) {
+                    let with = [prefix.as_slice(), &[id]].concat();
+                    assert_eq!(library(&with, skip), library(&prefix, skip) + text, "token {id}, skip {skip}");
+                    standalone += 1;
+                }
             }
         }
+        assert!(standalone > n as usize, "most tokens have a standalone text: {standalone} of {}", 2 * n);
+        assert_eq!(tok.standalone_text(n, false), None, "an unknown id");
         let mut windows: Vec<Vec<u32>> = Vec::new();
         let text_ids = tok.encode(sample_text, true).unwrap();
         for start in 0..text_ids.len() {
