@@ -58,6 +58,9 @@ pub struct RuntimeStepper {
     /// The last step's forward order (`forward_order`) and its sort keys, refilled by the next one.
     order_scratch: Vec<ResidentRef>,
     order_keys: Vec<(u64, ResidentRef)>,
+    /// The step's rows that ended without being computed (cancelled before it, `end_latched`): the commit
+    /// reports them beside its participants, so it need not look through every slot for ended rows.
+    ended_unscheduled: Vec<ResidentRef>,
 }
 
 impl RuntimeStepper {
@@ -76,6 +79,7 @@ impl RuntimeStepper {
             batch_scratch: ForwardBatch::default(),
             order_scratch: Vec::new(),
             order_keys: Vec::new(),
+            ended_unscheduled: Vec::new(),
             config,
         })
     }
@@ -403,7 +407,10 @@ impl RuntimeStepper {
         for &r in refs {
             let row = self.row_mut(r)?;
             match row.latched.take() {
-                Some(ending) => row.ending = Some(ending),
+                Some(ending) => {
+                    row.ending = Some(ending);
+                    self.ended_unscheduled.push(r);
+                }
                 None => computing.push(r),
             }
         }
@@ -506,8 +513,9 @@ impl RuntimeStepper {
     ) -> Result<StepResult> {
         let mut deltas = Vec::with_capacity(participants.len());
         let mut finished = Vec::new();
+        // Rows end only in a step that names them: as participants (a token, an error) or unscheduled.
         let mut touched: Vec<ResidentRef> = participants.iter().map(|p| p.identity.resident).collect();
-        touched.extend(self.session.iter().filter(|row| row.ending.is_some()).map(|row| row.resident()));
+        touched.append(&mut self.ended_unscheduled);
         touched.sort();
         touched.dedup();
         for r in touched {
