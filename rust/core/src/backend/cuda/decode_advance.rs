@@ -66,8 +66,9 @@ pub fn write_tables(
     (at, state)
 }
 
-/// Whether no block that one row may write while the device moves it on (from the block of its current position
-/// to the end of its table) appears in another row's part.
+/// Whether the blocks the rows may write while the device moves them on (each row's from the block of its
+/// current position to the end of its table) are all distinct: the guarantee `BatchPlan`'s check of a step's slots
+/// gives, for every step the device derives.
 fn writable_blocks_distinct(batch: &ForwardBatch, block_size: usize) -> bool {
     let mut blocks: Vec<u32> = batch.seqs.iter().flat_map(|s| s.block_table.iter().skip(s.past_len / block_size).copied()).collect();
     blocks.sort_unstable();
