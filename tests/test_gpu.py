@@ -357,19 +357,20 @@ def decode_all(stepped: stepllm.SteppedRequest) -> tuple[dict[int, stepllm.Gener
     return done, executions
 
 
-def run_pair_stepped(coord: stepllm.RuntimeCoordinator, a: stepllm.GenerationRequest, b: stepllm.GenerationRequest,
-                     decodes_before_b: int = 0) -> tuple[list[list[int]], list]:
-    """A stepped session: A as the founder, prefilled and decoded `decodes_before_b` times; then B admitted and
-    prefilled, and both decoded until done. Returns (A's and B's tokens, the executions of the decode steps
-    after B's admission)."""
-    stepped = coord.begin_stepped(a)
+def decode_session(coord: stepllm.RuntimeCoordinator, requests: list[stepllm.GenerationRequest],
+                   decodes_before_admissions: int = 0) -> tuple[list[list[int]], list]:
+    """One stepped session: the first request as its founder, prefilled and decoded `decodes_before_admissions`
+    times; then the others admitted and prefilled, and every resident decoded to its end. Returns each request's
+    tokens and the executions of the decode steps after the admissions."""
+    stepped = coord.begin_stepped(requests[0])
     stepped.prefill(stepllm.ImmutablePrefillBatch(target=stepped.founder()))
-    for _ in range(decodes_before_b):
+    for _ in range(decodes_before_admissions):
         stepped.decode(stepllm.ImmutableDecodeBatch(residents=stepped.residents()))
-    adm = stepped.admit(b, original_index=1, request_id=2)
-    stepped.prefill(stepllm.ImmutablePrefillBatch(target=adm.ref))
+    for i, request in enumerate(requests[1:], start=1):
+        adm = stepped.admit(request, original_index=i, request_id=i + 1)
+        stepped.prefill(stepllm.ImmutablePrefillBatch(target=adm.ref))
     done, executions = decode_all(stepped)
-    return [done[0].output_ids, done[1].output_ids], executions
+    return [done[i].output_ids for i in range(len(requests))], executions
 
 
 def test_stepped_admission_mid_stream_on_gpu(models_dir: Path) -> None:
@@ -380,7 +381,7 @@ def test_stepped_admission_mid_stream_on_gpu(models_dir: Path) -> None:
     alone_a = run_alone(coordinator(path, "cuda", graphs=True), a)
     alone_b = run_alone(coordinator(path, "cuda", graphs=True), b)
     coord = coordinator(path, "cuda", graphs=True)
-    (tokens_a, tokens_b), executions = run_pair_stepped(coord, a, b, decodes_before_b=4)
+    (tokens_a, tokens_b), executions = decode_session(coord, [a, b], decodes_before_admissions=4)
     for ex in executions:
         assert ex.cuda_graph and 0 <= ex.device_wait_us <= ex.elapsed_us, ex
     assert tokens_a == alone_a.output_ids
@@ -470,25 +471,13 @@ def test_graph_decode_of_long_contexts_equals_eager(models_dir: Path) -> None:
     prompts = [[(7 * i + 3 * k) % 997 + 2 for i in range(n)] for k, n in enumerate((1100, 1290))]
     a, b = (stepllm.GenerationRequest(p, greedy(12)) for p in prompts)
     eager_coord, graphed_coord = coordinator(path, "cuda"), coordinator(path, "cuda", graphs=True)
-    eager, eager_steps = run_pair_stepped(eager_coord, a, b)
-    graphed, steps = run_pair_stepped(graphed_coord, a, b)
+    eager, eager_steps = decode_session(eager_coord, [a, b])
+    graphed, steps = decode_session(graphed_coord, [a, b])
     assert not any(ex.cuda_graph for ex in eager_steps) and steps and all(ex.cuda_graph for ex in steps)
     assert graphed == eager
     assert [len(t) for t in graphed] == [12, 12]
     assert_released(eager_coord)
     assert_released(graphed_coord)
-
-
-def decode_session(coord: stepllm.RuntimeCoordinator, requests: list[stepllm.GenerationRequest]) -> tuple[list[list[int]], list]:
-    """One stepped session: the first request as its founder, the others admitted, each prefilled, then every
-    resident decoded to its end. Returns each request's tokens and the decode steps' executions."""
-    stepped = coord.begin_stepped(requests[0])
-    stepped.prefill(stepllm.ImmutablePrefillBatch(target=stepped.founder()))
-    for i, request in enumerate(requests[1:], start=1):
-        adm = stepped.admit(request, original_index=i, request_id=i + 1)
-        stepped.prefill(stepllm.ImmutablePrefillBatch(target=adm.ref))
-    done, executions = decode_all(stepped)
-    return [done[i].output_ids for i in range(len(requests))], executions
 
 
 def test_graph_replays_continue_their_metadata_on_the_device(models_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
