@@ -82,11 +82,10 @@ impl ByteTable {
     /// are not dropped by `skip_special_tokens` (the library's decode of any valid text followed by the token
     /// then appends exactly them); None otherwise and for ids outside the table.
     pub fn standalone_text(&self, id: u32, skip_special_tokens: bool) -> Option<&str> {
-        let id = id as usize;
-        if id >= self.special.len() || (skip_special_tokens && self.special[id]) {
+        if id as usize >= self.special.len() || (skip_special_tokens && self.special[id as usize]) {
             return None;
         }
-        let text = std::str::from_utf8(&self.bytes[self.offsets[id] as usize..self.offsets[id + 1] as usize]).ok()?;
+        let text = std::str::from_utf8(self.token_bytes(id)).ok()?;
         (!text.is_empty() && !text.ends_with('\u{FFFD}')).then_some(text)
     }
 

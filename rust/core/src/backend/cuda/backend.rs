@@ -310,6 +310,14 @@ impl MetaLayout {
 
     /// Write `plan` into `out` (at least `total` long).
     pub fn pack(&self, plan: &BatchPlan, out: &mut [u32]) {
+        self.pack_rows(plan, out);
+        let t = plan.block_tables.len();
+        out[self.tables..self.tables + t].copy_from_slice(&plan.block_tables);
+    }
+
+    /// [`pack`](Self::pack) of every section but the block tables, which a decode graph lays out itself
+    /// (runner.rs: each with the blocks reserved past its context).
+    pub fn pack_rows(&self, plan: &BatchPlan, out: &mut [u32]) {
         let n = plan.num_tokens();
         out[self.tokens..self.tokens + n].copy_from_slice(&plan.tokens);
         out[self.positions..self.positions + n].copy_from_slice(&plan.positions);
@@ -321,8 +329,6 @@ impl MetaLayout {
         }
         let l = plan.logits_rows.len();
         out[self.logits_rows..self.logits_rows + l].copy_from_slice(&plan.logits_rows);
-        let t = plan.block_tables.len();
-        out[self.tables..self.tables + t].copy_from_slice(&plan.block_tables);
     }
 }
 

@@ -60,8 +60,8 @@ impl DecodeGraphs {
         let host = self.staging.as_mut_slice();
         host[..HEADER_WORDS].copy_from_slice(&[decode_advance::FRESH, n as u32, 0, 0]);
         let meta = &mut host[HEADER_WORDS..];
-        lay.pack(plan, meta);
-        // The tables again, whole: with the blocks reserved past each context, for the device to move into.
+        lay.pack_rows(plan, meta);
+        // Each row's whole table, with the blocks reserved past its context for the device to move into.
         let (head, tables) = meta.split_at_mut(lay.tables);
         let seq_info = &mut head[lay.seq_info..lay.logits_rows];
         let (entries, rows) = decode_advance::write_tables(batch, block_size, bucket, self.advance, tables, seq_info);
