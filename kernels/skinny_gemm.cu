@@ -14,7 +14,9 @@
 // blocks split K further (grid.z) and the last block of a tile to finish adds the others' partial sums (the
 // split-K scheme of kernels/attention.cuh).
 //
-// Epilogues are those of the GEMV kernels (gemv_common.cuh), with the same roundings:
+// Prologues and epilogues are those of the GEMV kernels (gemv_common.cuh), with the same roundings:
+//   IN_NORM: x is replaced by rms_norm(x) (a warp per token sums its squares, as the GEMV does, after the PDL
+//   wait; each chunk of tokens is normalized in registers as it arrives), so no RMSNorm kernel runs before it;
 //   OUT_STORE: y = x·Wᵀ (+ bias);  OUT_ADD: y += x·Wᵀ (+ bias) (the residual stream);
 //   OUT_SILU: W is [gate | up] (N rows, N/2 each), y[m, n] = silu(gate) * up, so y is [M, N/2].
 #include "gemv_common.cuh"
@@ -38,14 +40,62 @@ __device__ __forceinline__ void load_weights(const bf16* __restrict__ w, const i
         for (int h = 0; h < 2; h++) wv[i][h] = __ldg(reinterpret_cast<const uint4*>(w + (size_t)(row[i] + g + 8 * h) * K + k));
 }
 
+// Lane (g, t)'s tokens of chunk c, and for IN_NORM the chunk's 8 RMSNorm weights they are multiplied by.
 template <int NT>
-__device__ __forceinline__ void load_tokens(const bf16* __restrict__ x, int m0, int M, int K, int c, int g, int t,
-                                            uint4 xv[NT]) {
+struct TokenChunk {
+    uint4 x[NT];
+    float4 norm[2];
+};
+
+template <int NT, int IN>
+__device__ __forceinline__ void load_tokens(const bf16* __restrict__ x, const float* __restrict__ norm_w, int m0, int M,
+                                            int K, int c, int g, int t, TokenChunk<NT>& chunk) {
     const int k = c * CHUNK_K + 8 * t;
 #pragma unroll
     for (int j = 0; j < NT; j++) {
         const int m = m0 + 8 * j + g;
-        xv[j] = m < M ? __ldcg(reinterpret_cast<const uint4*>(x + (size_t)m * K + k)) : make_uint4(0, 0, 0, 0);
+        chunk.x[j] = m < M ? __ldcg(reinterpret_cast<const uint4*>(x + (size_t)m * K + k)) : make_uint4(0, 0, 0, 0);
+    }
+    if (IN == IN_NORM) {
+        chunk.norm[0] = __ldg(reinterpret_cast<const float4*>(norm_w + k));
+        chunk.norm[1] = __ldg(reinterpret_cast<const float4*>(norm_w + k + 4));
+    }
+}
+
+// rms_norm of the chunk's tokens in place: norm_w * bf16(x * inv), rounded to bf16 (the GEMV's stage_input).
+// inv[j]: this lane's token of tile j (0 past the last token, whose x are zeros anyway).
+template <int NT>
+__device__ __forceinline__ void normalize_tokens(TokenChunk<NT>& chunk, const float inv[NT]) {
+    const float w[8] = {chunk.norm[0].x, chunk.norm[0].y, chunk.norm[0].z, chunk.norm[0].w,
+                        chunk.norm[1].x, chunk.norm[1].y, chunk.norm[1].z, chunk.norm[1].w};
+#pragma unroll
+    for (int j = 0; j < NT; j++) {
+        float v[8];
+        unpack8(chunk.x[j], v);
+        u32* out = reinterpret_cast<u32*>(&chunk.x[j]);
+#pragma unroll
+        for (int i = 0; i < 4; i++) out[i] = pack_bf16(w[2 * i] * bf16r(v[2 * i] * inv[j]), w[2 * i + 1] * bf16r(v[2 * i + 1] * inv[j]));
+    }
+}
+
+// 1 / rms of each of the block's tokens m0.. (a warp per token, summed as the GEMV sums a row), 0 past the last.
+__device__ __forceinline__ void token_inverse_rms(const bf16* __restrict__ x, int m0, int M, int K, float eps, float* inv) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    for (int i = warp; i < SKINNY_TOKENS; i += SKINNY_WARPS) {
+        if (m0 + i >= M) {
+            if (lane == 0) inv[i] = 0.0f;
+            continue;
+        }
+        const uint4* row = reinterpret_cast<const uint4*>(x + (size_t)(m0 + i) * K);
+        float ss = 0.0f;
+        for (int c = lane; c < K / 8; c += 32) {
+            float v[8];
+            unpack8(__ldcg(row + c), v);
+#pragma unroll
+            for (int j = 0; j < 8; j++) ss += v[j] * v[j];
+        }
+        ss = warp_sum(ss);
+        if (lane == 0) inv[i] = rsqrtf(ss / K + eps);
     }
 }
 
@@ -66,15 +116,17 @@ __device__ __forceinline__ void chunk_product(const uint4 wv[2][2], const uint4 
 
 // grid: (token chunks of 32, output tiles, splits): the token chunks of one output tile run side by side and share
 // its weights through L2. block: SKINNY_THREADS; dynamic shared memory:
-// SKINNY_WARPS * 2 * NT * 128 floats. K % 32 == 0; N % 32 == 0 (OUT_SILU: N / 2 % 16 == 0).
+// SKINNY_WARPS * 2 * NT * 128 floats. K % 32 == 0; N % 32 == 0 (OUT_SILU: N / 2 % 16 == 0); IN_NORM: norm_w K
+// floats, 16-byte aligned.
 // partial: splits * 2 * NT * 128 floats per (output tile, token chunk); counters: one per (output tile, token
 // chunk), zero between launches (the block that adds the partial sums resets its counter).
-template <int NT, int OUT>
-__device__ void skinny_gemm(const bf16* __restrict__ x, const bf16* __restrict__ w, const float* __restrict__ bias,
-                            bf16* __restrict__ y, int M, int N, int K, float* __restrict__ partial,
-                            u32* __restrict__ counters) {
+template <int NT, int IN, int OUT>
+__device__ void skinny_gemm(const bf16* __restrict__ x, const float* __restrict__ norm_w, float eps,
+                            const bf16* __restrict__ w, const float* __restrict__ bias, bf16* __restrict__ y, int M,
+                            int N, int K, float* __restrict__ partial, u32* __restrict__ counters) {
     constexpr int E = NT * 128;  // accumulator entries of one A tile: (token tile, register, lane)
     __shared__ bool is_last;
+    __shared__ float s_inv[IN == IN_NORM ? SKINNY_TOKENS : 1];
     float(*red)[2][E] = reinterpret_cast<float(*)[2][E]>(skinny_smem);  // [warp][tile][entry]
 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
@@ -99,20 +151,28 @@ __device__ void skinny_gemm(const bf16* __restrict__ x, const bf16* __restrict__
 
     // Weights two chunks ahead of the product (the first two issued before the PDL wait: they are constant),
     // tokens one chunk ahead.
-    uint4 wa[2][2], wb[2][2], xa[NT], xb[NT];
+    uint4 wa[2][2], wb[2][2];
+    TokenChunk<NT> xa, xb;
     if (lo < hi) load_weights(w, row, K, lo, g, t, wa);
     if (lo + 1 < hi) load_weights(w, row, K, lo + 1, g, t, wb);
     kernel_begin();
-    if (lo < hi) load_tokens<NT>(x, m0, M, K, lo, g, t, xa);
+    float inv[NT];
+    if (IN == IN_NORM) {
+        token_inverse_rms(x, m0, M, K, eps, s_inv);
+        __syncthreads();
+#pragma unroll
+        for (int j = 0; j < NT; j++) inv[j] = s_inv[8 * j + g];
+    }
+    if (lo < hi) load_tokens<NT, IN>(x, norm_w, m0, M, K, lo, g, t, xa);
     for (int c = lo; c < hi; c++) {
-        if (c + 1 < hi) load_tokens<NT>(x, m0, M, K, c + 1, g, t, xb);
-        chunk_product<NT>(wa, xa, acc);
+        if (c + 1 < hi) load_tokens<NT, IN>(x, norm_w, m0, M, K, c + 1, g, t, xb);
+        if (IN == IN_NORM) normalize_tokens<NT>(xa, inv);
+        chunk_product<NT>(wa, xa.x, acc);
 #pragma unroll
         for (int i = 0; i < 2; i++)
 #pragma unroll
             for (int h = 0; h < 2; h++) wa[i][h] = wb[i][h];
-#pragma unroll
-        for (int j = 0; j < NT; j++) xa[j] = xb[j];
+        xa = xb;
         if (c + 2 < hi) load_weights(w, row, K, c + 2, g, t, wb);
     }
 
@@ -189,16 +249,18 @@ __device__ void skinny_gemm(const bf16* __restrict__ x, const bf16* __restrict__
 }
 
 // At most 128 registers, so two blocks fit on a multiprocessor (up to 64 tokens per block took 134-196 and one).
-#define SKINNY_VARIANT(NT, OUT, NAME)                                                                           \
+#define SKINNY_VARIANT(NT, IN, OUT, NAME)                                                                       \
     extern "C" __global__ void __launch_bounds__(SKINNY_THREADS, 2) NAME##_t##NT(                               \
-        const bf16* x, const bf16* w, const float* bias, bf16* y, int M, int N, int K, float* partial,          \
-        u32* counters) {                                                                                        \
-        skinny_gemm<NT, OUT>(x, w, bias, y, M, N, K, partial, counters);                                        \
+        const bf16* x, const float* norm_w, float eps, const bf16* w, const float* bias, bf16* y, int M, int N,  \
+        int K, float* partial, u32* counters) {                                                                 \
+        skinny_gemm<NT, IN, OUT>(x, norm_w, eps, w, bias, y, M, N, K, partial, counters);                       \
     }
-#define SKINNY_KINDS(NT)                                 \
-    SKINNY_VARIANT(NT, OUT_STORE, skinny_gemm_store)     \
-    SKINNY_VARIANT(NT, OUT_ADD, skinny_gemm_add)         \
-    SKINNY_VARIANT(NT, OUT_SILU, skinny_gemm_silu)
+#define SKINNY_KINDS(NT)                                                \
+    SKINNY_VARIANT(NT, IN_PLAIN, OUT_STORE, skinny_gemm_store)          \
+    SKINNY_VARIANT(NT, IN_PLAIN, OUT_ADD, skinny_gemm_add)              \
+    SKINNY_VARIANT(NT, IN_PLAIN, OUT_SILU, skinny_gemm_silu)            \
+    SKINNY_VARIANT(NT, IN_NORM, OUT_STORE, skinny_gemm_norm_store)      \
+    SKINNY_VARIANT(NT, IN_NORM, OUT_SILU, skinny_gemm_norm_silu)
 
 SKINNY_KINDS(1)
 SKINNY_KINDS(2)

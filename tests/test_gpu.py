@@ -282,8 +282,8 @@ def test_bulk_gemv_of_several_rows_matches_cublas(rows: int, models_dir: Path, m
 
 @pytest.mark.parametrize("name,rows", [("qwen3", 5), ("qwen3", 32), ("qwen3", 100), ("smollm2", 24), ("smollm2", 100)])
 def test_skinny_gemm_batches_match_cublas(name: str, rows: int, models_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Decode batches of 3 to 16 rows go to the tensor-core skinny GEMM (kernels/skinny_gemm.cu) with the SiLU
-    gating and the residual add fused; the same requests with those projections on cuBLAS
+    """Decode batches of 3 to 16 rows go to the tensor-core skinny GEMM (kernels/skinny_gemm.cu) with the RMSNorm,
+    the SiLU gating and the residual add fused; the same requests with those projections on cuBLAS
     (STEPLLM_SKINNY_GEMM_MAX_ROWS=0) are the reference. The shapes cover K split over blocks (Qwen3's O and down
     projections), K not a multiple of 256 (SmolLM2's 576 and 1536), partial token tiles (5, 100), and, with the
     limit raised, batches of 24 to 100 rows (over one block's 32 tokens at 100). (Not the Llama-3.2-1B shape: at

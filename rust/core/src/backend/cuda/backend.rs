@@ -675,7 +675,18 @@ impl CudaBackend {
 
     /// One skinny-GEMM launch: `x` is `[x.rows, weight.cols]`, the output goes to `y` (see [`SkinnyKind`]).
     fn launch_skinny(&self, kind: SkinnyKind, x: &CudaTensor, weight: &CudaMatrix, bias: Option<&CudaVector>, y: u64) -> Result<()> {
-        self.inner.skinny.launch(&self.inner.gpu, kind, &projection(x.rows, x.ptr(), weight, bias, y))
+        self.inner.skinny.launch(&self.inner.gpu, kind, &projection(x.rows, x.ptr(), weight, bias, y), None)
+    }
+
+    /// A skinny-GEMM launch of a Norm kind: `rms_norm(x)` (its weights and epsilon) times `weight`.
+    fn launch_skinny_normed(&self, kind: SkinnyKind, x: &CudaTensor, (norm, eps): (&CudaVector, f32), weight: &CudaMatrix, bias: Option<&CudaVector>, y: u64) -> Result<()> {
+        let op = projection(x.rows, x.ptr(), weight, bias, y);
+        self.inner.skinny.launch(&self.inner.gpu, kind, &op, Some((norm.buf.ptr(), eps)))
+    }
+
+    /// Whether an `m`-row projection of `weight` goes to the skinny GEMM with its RMSNorm inside.
+    fn use_skinny_norm(&self, m: usize, weight: &CudaMatrix) -> bool {
+        self.inner.skinny.fuses_norm && self.use_skinny(m, weight)
     }
 
     /// The tensor-core prefill attention and its tiling, when this step has prompts long enough to fill its query
@@ -1020,6 +1031,10 @@ impl Backend for CudaBackend {
         Self::check_norm(x, norm)?;
         Self::check_linear(x, weight)?;
         if !self.use_gemv(x.rows, weight.cols) {
+            if self.use_skinny_norm(x.rows, weight) {
+                self.ensure(out, x.rows, weight.rows)?;
+                return self.launch_skinny_normed(SkinnyKind::NormStore, x, (norm, eps), weight, bias, out.ptr());
+            }
             self.rms_norm(x, norm, eps, normed)?;
             return self.linear_beyond_gemv(normed, weight, bias, out);
         }
@@ -1043,6 +1058,10 @@ impl Backend for CudaBackend {
             return internal(format!("gate_up wants [gate | up] halves of 8k rows, got {} rows", gate_up.rows));
         }
         if !self.use_gemv(x.rows, gate_up.cols) {
+            if self.use_skinny_norm(x.rows, gate_up) {
+                self.ensure(out, x.rows, gate_up.rows / 2)?;
+                return self.launch_skinny_normed(SkinnyKind::NormSilu, x, (norm, eps), gate_up, None, out.ptr());
+            }
             self.rms_norm(x, norm, eps, normed)?;
             if self.use_skinny(x.rows, gate_up) {
                 self.ensure(out, x.rows, gate_up.rows / 2)?;

@@ -1,7 +1,8 @@
 //! Projections of decode batches of 3 to 16 rows (by default) on our tensor-core kernel (kernels/skinny_gemm.cu)
 //! instead of cuBLAS, which is latency-bound there: whether it serves a launch, and its launch shape. It fuses
-//! the residual add or the SiLU gating after the product, as the GEMV kernels do (the RMSNorm before it stays a
-//! kernel of its own: every block would need whole rows for it).
+//! the RMSNorm before the product (each block sums its tokens' squares over the whole row itself) and the
+//! residual add or the SiLU gating after it, as the GEMV kernels do; STEPLLM_NO_SKINNY_NORM=1 leaves the RMSNorm
+//! to a kernel of its own (comparisons).
 
 use super::device::{Arg, DeviceBuffer, Func, Gpu};
 use super::gemv::Projection;
@@ -41,16 +42,22 @@ pub(super) enum SkinnyKind {
     AddInto,
     /// `y = silu(gate) * up` of `[gate | up] = x · Wᵀ`
     Silu,
+    /// `y = rms_norm(x) · Wᵀ (+ bias)`
+    NormStore,
+    /// `y = silu(gate) * up` of `[gate | up] = rms_norm(x) · Wᵀ`
+    NormSilu,
 }
 
-const KIND_NAMES: [&str; 3] = ["store", "add", "silu"];
+const KIND_NAMES: [&str; 5] = ["store", "add", "silu", "norm_store", "norm_silu"];
 
 pub(super) struct SkinnyGemm {
     /// `kernels[kind][token tiles - 1]`
-    kernels: [Vec<Func>; 3],
+    kernels: [Vec<Func>; 5],
     /// Blocks resident per multiprocessor, per token-tile count (the same for every kind).
     resident: Vec<usize>,
     max_rows: usize,
+    /// Whether the RMSNorm before a projection runs inside it (the Norm kinds).
+    pub fuses_norm: bool,
     sm_count: usize,
     /// Split-K partial sums and the per-tile counters (zeroed once; the kernel leaves them zero).
     partial: DeviceBuffer,
@@ -62,7 +69,7 @@ impl SkinnyGemm {
         let kind = |name: &str| -> Result<Vec<Func>> {
             (1..=BLOCK_TOKENS / TOKEN_TILE).map(|t| gpu.function("skinny_gemm", &format!("skinny_gemm_{name}_t{t}"))).collect()
         };
-        let kernels = [kind(KIND_NAMES[0])?, kind(KIND_NAMES[1])?, kind(KIND_NAMES[2])?];
+        let kernels = [kind(KIND_NAMES[0])?, kind(KIND_NAMES[1])?, kind(KIND_NAMES[2])?, kind(KIND_NAMES[3])?, kind(KIND_NAMES[4])?];
         let mut resident = Vec::new();
         for (i, &f) in kernels[0].iter().enumerate() {
             let smem = reduction_bytes(i + 1);
@@ -84,7 +91,8 @@ impl SkinnyGemm {
         let counters = gpu.alloc(wave * 4)?;
         partial.zero()?;
         counters.zero()?;
-        Ok(Self { kernels, resident, max_rows, sm_count, partial, counters })
+        let fuses_norm = std::env::var_os("STEPLLM_NO_SKINNY_NORM").is_none();
+        Ok(Self { kernels, resident, max_rows, fuses_norm, sm_count, partial, counters })
     }
 
     /// Whether the kernel serves an `m`-row projection of an `[n, k]` weight: whole 32-row weight tiles (for a
@@ -93,15 +101,20 @@ impl SkinnyGemm {
         (1..=self.max_rows).contains(&m) && n.is_multiple_of(32) && n <= MAX_OUTPUTS && k.is_multiple_of(CHUNK_K)
     }
 
-    pub fn launch(&self, gpu: &Gpu, kind: SkinnyKind, p: &Projection) -> Result<()> {
+    /// One launch; `norm`: the RMSNorm's (weights, epsilon) for the Norm kinds.
+    pub fn launch(&self, gpu: &Gpu, kind: SkinnyKind, p: &Projection, norm: Option<(u64, f32)>) -> Result<()> {
         let tiles_per_block = p.rows.min(BLOCK_TOKENS).div_ceil(TOKEN_TILE);
         let f = self.kernels[kind as usize][tiles_per_block - 1];
-        let out_tiles = if kind == SkinnyKind::Silu { p.n / 2 / 16 } else { p.n / 32 };
+        let silu = matches!(kind, SkinnyKind::Silu | SkinnyKind::NormSilu);
+        let out_tiles = if silu { p.n / 2 / 16 } else { p.n / 32 };
         let token_chunks = p.rows.div_ceil(BLOCK_TOKENS);
         let wave = self.resident[tiles_per_block - 1] * self.sm_count;
         let splits = splits(out_tiles * token_chunks, wave, p.k / CHUNK_K);
+        let (norm_w, eps) = norm.unwrap_or((0, 0.0));
         let args = [
             Arg::Ptr(p.x),
+            Arg::Ptr(norm_w),
+            Arg::F32(eps),
             Arg::Ptr(p.weight),
             Arg::Ptr(p.bias),
             Arg::Ptr(p.y),
