@@ -411,6 +411,50 @@ def test_mixed_step_on_gpu(models_dir: Path) -> None:
     assert_released(coord)
 
 
+@pytest.mark.parametrize("kv_cache_dtype,prefill_splits", [("auto", None), ("fp8", "4")])
+def test_mixed_step_decode_rows_take_the_decode_kernel(kv_cache_dtype: str, prefill_splits: str | None,
+                                                        models_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A mixed step's decode rows come first, and they, with a one-token prompt right after them, take the decode
+    attention kernel, which rotates their q and k itself; the prompts after them take the RoPE kernel and the tiled
+    prefill attention, whose blocks (and, with STEPLLM_PREFILL_SPLITS forcing key splits, whose merge) start past
+    those rows. Three requests decode (contexts up to 1,300, so the decode kernel splits keys) while a one-token and a
+    200-token prompt join. Each request's greedy ids agree until the first near-tie, with log-probabilities within
+    the bf16 tolerance, with the five computed as one group and decoded together, and with the same session under
+    STEPLLM_NO_MIXED_DECODE_ROWS=1 (every row in the prefill kernel)."""
+    if prefill_splits:
+        monkeypatch.setenv("STEPLLM_PREFILL_SPLITS", prefill_splits)
+    path = gpu_models.make("qwen3", models_dir)
+    prompts = [[(7 * i + 3 * k) % 991 + 2 for i in range(n)] for k, n in enumerate((1300, 300, 40, 1, 200))]
+    requests = [stepllm.GenerationRequest(p, greedy(8, logprobs=2)) for p in prompts]
+
+    def session() -> list[stepllm.GenerationResponse]:
+        coord = coordinator(path, "cuda", graphs=True, kv_cache_dtype=kv_cache_dtype)
+        stepped = coord.begin_stepped(requests[0])
+        running = [stepped.founder()]
+        stepped.prefill(stepllm.ImmutablePrefillBatch(target=running[0]))
+        for i in (1, 2):
+            running.append(stepped.admit(requests[i], original_index=i, request_id=i + 1).ref)
+            stepped.prefill(stepllm.ImmutablePrefillBatch(target=running[-1]))
+        stepped.decode(stepllm.ImmutableDecodeBatch(residents=running))
+        targets = [stepped.admit_into_group(requests[i], original_index=i, request_id=i + 1).ref for i in (3, 4)]
+        step = stepped.mixed(stepllm.ImmutableMixedBatch(residents=running, targets=targets))
+        assert step.ok and step.work == stepllm.SequenceWork.MIXED, step
+        queries = sorted(p.query_length for p in step.participants if p.work == stepllm.SequenceWork.CONTEXT)
+        assert queries == [1, 200], queries
+        done, _ = decode_all(stepped)
+        assert_released(coord)
+        return [done[i] for i in range(len(requests))]
+
+    whole = coordinator(path, "cuda", graphs=True, kv_cache_dtype=kv_cache_dtype).dispatch_request(requests)
+    ours = session()
+    monkeypatch.setenv("STEPLLM_NO_MIXED_DECODE_ROWS", "1")
+    in_prefill_kernel = session()
+    for k, (got, want, old) in enumerate(zip(ours, whole, in_prefill_kernel)):
+        assert len(got.output_ids) == len(want.output_ids) == len(old.output_ids) == 8, k
+        assert_logprobs_agree_until_near_tie(got.logprobs, want.logprobs, (k, "whole"))
+        assert_logprobs_agree_until_near_tie(got.logprobs, old.logprobs, (k, "STEPLLM_NO_MIXED_DECODE_ROWS"))
+
+
 def test_chunked_prefill_on_gpu(models_dir: Path) -> None:
     """With max_prefill_tokens=64 a prompt of 300 tokens is computed in five chunks, the later ones attending to
     the cached earlier ones (the prefill attention over a cached prefix) and the first four asking no logits; two

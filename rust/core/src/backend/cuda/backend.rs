@@ -282,6 +282,9 @@ impl Kernels {
     }
 }
 
+/// Words of one sequence's entry in the seq_info section: start, len, past_len, table_start, table_len.
+pub const SEQ_INFO_WORDS: usize = 5;
+
 /// Section offsets (in u32) of one batch-metadata buffer. Graph replays reuse one fixed layout.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct MetaLayout {
@@ -303,7 +306,7 @@ impl MetaLayout {
         let slots = positions + n;
         let token_seq = slots + n;
         let seq_info = token_seq + n;
-        let logits_rows = seq_info + 5 * s;
+        let logits_rows = seq_info + SEQ_INFO_WORDS * s;
         let tables = logits_rows + l;
         Self { tokens, positions, slots, token_seq, seq_info, logits_rows, tables, total: tables + t }
     }
@@ -324,8 +327,8 @@ impl MetaLayout {
         out[self.slots..self.slots + n].copy_from_slice(&plan.slots);
         out[self.token_seq..self.token_seq + n].copy_from_slice(&plan.token_seq);
         for (i, s) in plan.seqs.iter().enumerate() {
-            let at = self.seq_info + 5 * i;
-            out[at..at + 5].copy_from_slice(&[s.start, s.len, s.past_len, s.table_start, s.table_len]);
+            let at = self.seq_info + SEQ_INFO_WORDS * i;
+            out[at..at + SEQ_INFO_WORDS].copy_from_slice(&[s.start, s.len, s.past_len, s.table_start, s.table_len]);
         }
         let l = plan.logits_rows.len();
         out[self.logits_rows..self.logits_rows + l].copy_from_slice(&plan.logits_rows);
@@ -345,9 +348,17 @@ pub struct CudaBatch {
     max_context: Option<usize>,
     /// Most query tokens of one sequence (1 in decode steps).
     max_query_len: usize,
-    /// Narrow prefill-attention query tiles of the sequences whose context is at least half the longest (sum of
-    /// ceil(query tokens / PREFILL_QUERY_TILE)): their blocks set the attention's time. The others (a mixed step's
-    /// decode rows beside a long prompt's chunk) finish early however the keys are split.
+    /// The step's leading one-token sequences, which are its first tokens too: a mixed step puts its decode rows
+    /// first (`forward_order`). When the other sequences take the tiled prefill attention, these take the decode
+    /// kernel, which rotates their q and k itself and reads each K/V position once for all query heads of a KV
+    /// head, instead of a 64-row query tile per query head with one row used. 0 with
+    /// STEPLLM_NO_MIXED_DECODE_ROWS=1 (everything in the prefill kernel, for comparisons).
+    decode_rows: usize,
+    /// Longest context of the sequences after `decode_rows` (the prompts).
+    prompt_max_context: usize,
+    /// Narrow prefill-attention query tiles of the prompts whose context is at least half the longest prompt's (sum
+    /// of ceil(query tokens / PREFILL_QUERY_TILE)): their blocks set the attention's time. The others finish early
+    /// however the keys are split.
     long_query_tiles: usize,
 }
 
@@ -454,6 +465,9 @@ pub(super) struct Inner {
     prefill_splits: PrefillSplitChoice,
     /// STEPLLM_NO_MMA_ATTENTION=1 keeps decode attention on the CUDA-core kernel (for comparisons).
     mma_attention: bool,
+    /// STEPLLM_NO_MIXED_DECODE_ROWS=1 leaves a mixed step's decode rows in the prefill attention
+    /// (`CudaBatch::decode_rows`; for comparisons).
+    mixed_decode_rows: bool,
     pub state: Mutex<State>,
 }
 
@@ -472,11 +486,23 @@ impl CudaBackend {
         let skinny = SkinnyGemm::load(&gpu)?;
         let tiled_prefill = std::env::var_os("STEPLLM_NO_TILED_PREFILL").is_none();
         let mma_attention = std::env::var_os("STEPLLM_NO_MMA_ATTENTION").is_none();
+        let mixed_decode_rows = std::env::var_os("STEPLLM_NO_MIXED_DECODE_ROWS").is_none();
         let state = Mutex::new(State::default());
         let prefill_tiling = PrefillTilingChoice::from_env();
         let prefill_splits = PrefillSplitChoice::from_env();
-        let inner =
-            Inner { gpu, blas, kernels, gemv, skinny, tiled_prefill, prefill_tiling, prefill_splits, mma_attention, state };
+        let inner = Inner {
+            gpu,
+            blas,
+            kernels,
+            gemv,
+            skinny,
+            tiled_prefill,
+            prefill_tiling,
+            prefill_splits,
+            mma_attention,
+            mixed_decode_rows,
+            state,
+        };
         Ok(Self { inner: Arc::new(inner) })
     }
 
@@ -704,7 +730,8 @@ impl CudaBackend {
         let Some(&found) = kernels.prefill_attention.iter().find(|k| k.head_dim == shape.head_dim) else {
             return Ok(None);
         };
-        let tiling = self.inner.prefill_tiling.pick(batch.max_query_len, batch.n_seqs, shape.num_heads, self.inner.gpu.sm_count);
+        let prompts = batch.n_seqs - batch.decode_rows;
+        let tiling = self.inner.prefill_tiling.pick(batch.max_query_len, prompts, shape.num_heads, self.inner.gpu.sm_count);
         Ok(Some((found, tiling)))
     }
 
@@ -712,7 +739,8 @@ impl CudaBackend {
         self.inner.kernels.for_cache(&self.inner.gpu, dtype)
     }
 
-    /// One block per (sequence, query head, tile of `tiling.query_rows()` query tokens); q and k rotated already.
+    /// One block per (prompt, query head, tile of `tiling.query_rows()` query tokens); q and k rotated already.
+    /// The prompts are the sequences after the step's `decode_rows`, which this leaves alone.
     #[allow(clippy::too_many_arguments)]
     fn launch_prefill_attention(
         &self,
@@ -727,10 +755,12 @@ impl CudaBackend {
         self.ensure(out, batch.n_tokens, shape.q_dim())?;
         let splits = self.prefill_splits(tiling, shape, batch);
         let partial = if splits > 1 { self.attention_workspace(batch.n_tokens, shape, splits)?.0 } else { 0 };
+        // The kernel finds its sequence's tokens through seq_info, so the prompts' blocks start at their first entry.
+        let (first, prompts) = (batch.decode_rows, batch.n_seqs - batch.decode_rows);
         let args = [
             Arg::Ptr(qkv.ptr()),
             Arg::I32(shape.qkv_width() as i32),
-            Arg::Ptr(batch.section(batch.layout.seq_info)),
+            Arg::Ptr(batch.section(batch.layout.seq_info + SEQ_INFO_WORDS * first)),
             Arg::Ptr(batch.section(batch.layout.tables)),
             Arg::Ptr(cache.keys[layer].ptr()),
             Arg::Ptr(cache.values[layer].ptr()),
@@ -743,14 +773,61 @@ impl CudaBackend {
             Arg::Ptr(partial),
         ];
         let tiles = batch.max_query_len.div_ceil(tiling.query_rows());
-        let grid = (batch.n_seqs as u32, shape.num_heads as u32, (tiles * splits) as u32);
+        let grid = (prompts as u32, shape.num_heads as u32, (tiles * splits) as u32);
         let smem = tiling.shared_bytes(shape.head_dim) as u32;
         self.inner.gpu.launch_smem(kernels.for_tiling(tiling), grid, PREFILL_THREADS, smem, &args)?;
         if splits > 1 {
-            let args = [Arg::Ptr(partial), Arg::I32(shape.num_heads as i32), Arg::I32(splits as i32), Arg::Ptr(out.ptr())];
-            self.inner.gpu.launch(kernels.merge, (batch.n_tokens as u32, shape.num_heads as u32, 1), 32, &args)?;
+            // The merge of the prompts' tokens, which follow the decode rows' one token each.
+            let record = (shape.num_heads * splits * (shape.head_dim + 2)) as u64 * 4;
+            let args = [
+                Arg::Ptr(partial + first as u64 * record),
+                Arg::I32(shape.num_heads as i32),
+                Arg::I32(splits as i32),
+                Arg::Ptr(out.ptr() + (first * shape.q_dim() * 2) as u64),
+            ];
+            let grid = ((batch.n_tokens - first) as u32, shape.num_heads as u32, 1);
+            self.inner.gpu.launch(kernels.merge, grid, 32, &args)?;
         }
         Ok(())
+    }
+
+    /// The RoPE kernel (q/k norm, rotation, K/V written to the cache) over the step's tokens from `first` on.
+    #[allow(clippy::too_many_arguments)]
+    fn launch_rope_write_kv(
+        &self,
+        qkv: &mut CudaTensor,
+        qk_norm: Option<(&CudaVector, &CudaVector)>,
+        shape: &AttentionShape,
+        batch: &CudaBatch,
+        cache: &mut CudaKvCache,
+        layer: usize,
+        first: usize,
+    ) -> Result<()> {
+        if first == batch.n_tokens {
+            return Ok(());
+        }
+        let (qn, kn) = qk_norm.map_or((0, 0), |(q, k)| (q.buf.ptr(), k.buf.ptr()));
+        let token_words = |section: usize| batch.section(section + first);
+        let args = [
+            Arg::Ptr(qkv.ptr() + (first * qkv.cols * 2) as u64),
+            Arg::I32(shape.qkv_width() as i32),
+            Arg::Ptr(qn),
+            Arg::Ptr(kn),
+            Arg::I32(qk_norm.is_some() as i32),
+            Arg::F32(shape.qk_norm_eps),
+            Arg::Ptr(token_words(batch.layout.positions)),
+            Arg::Ptr(token_words(batch.layout.slots)),
+            Arg::Ptr(cache.keys[layer].ptr()),
+            Arg::Ptr(cache.values[layer].ptr()),
+            Arg::I32(shape.num_heads as i32),
+            Arg::I32(shape.num_kv_heads as i32),
+            Arg::I32(shape.head_dim as i32),
+            Arg::F32(shape.rope.theta),
+            Arg::Ptr(self.rope_frequencies(shape)?),
+            Arg::I32(cache.shape.block_size as i32),
+        ];
+        let grid = ((batch.n_tokens - first) as u32, 1, 1);
+        self.inner.gpu.launch(self.cache_kernels(cache.shape.dtype)?.rope, grid, 32 * ROPE_WARPS as u32, &args)
     }
 
     /// Key splits for this step's prefill attention: only narrow blocks split (wide ones are picked for grids of
@@ -759,12 +836,13 @@ impl CudaBackend {
         if tiling != PrefillTiling::NARROW {
             return 1;
         }
-        let key_tiles = batch.max_context.unwrap_or(0).div_ceil(tiling.key_tile);
+        let key_tiles = batch.prompt_max_context.div_ceil(tiling.key_tile);
         self.inner.prefill_splits.pick(batch.long_query_tiles * shape.num_heads, key_tiles, self.inner.gpu.sm_count)
     }
 
-    /// The paged attention kernel for this shape; with [`QkRotation::InKernel`] (decode batches only), the
-    /// variant that also normalizes and rotates q and k and writes the new K and V to the cache.
+    /// The paged attention kernel for this shape over the step's first `rows` tokens; with
+    /// [`QkRotation::InKernel`] (one-token sequences only), the variant that also normalizes and rotates q and k
+    /// and writes the new K and V to the cache.
     #[allow(clippy::too_many_arguments)]
     fn launch_attention(
         &self,
@@ -774,6 +852,7 @@ impl CudaBackend {
         cache: &CudaKvCache,
         layer: usize,
         out: &mut CudaTensor,
+        rows: usize,
         rotation: QkRotation<'_>,
     ) -> Result<()> {
         let key = (shape.head_dim, shape.group_size());
@@ -792,8 +871,11 @@ impl CudaBackend {
                 key.0, key.1
             )));
         };
-        let n = batch.n_tokens;
-        self.ensure(out, n, shape.q_dim())?;
+        self.ensure(out, batch.n_tokens, shape.q_dim())?;
+        if rows == 0 {
+            return Ok(());
+        }
+        let n = rows;
         let splits = self.attention_splits(n, shape.num_kv_heads, batch.max_context);
         let (partial, counters) = self.attention_workspace(n, shape, splits)?;
         let (qn, kn) = qk_norm.map_or((0, 0), |(q, k)| (q.buf.ptr(), k.buf.ptr()));
@@ -948,7 +1030,9 @@ impl Backend for CudaBackend {
             batch.layout = layout;
             batch.max_context = None;
             batch.max_query_len = 1; // only decode steps are captured
-            batch.long_query_tiles = plan.num_tokens();
+            batch.decode_rows = plan.seqs.len();
+            batch.prompt_max_context = 0;
+            batch.long_query_tiles = 0;
             return Ok(());
         }
         let layout = MetaLayout::new(plan.num_tokens(), plan.seqs.len(), plan.logits_rows.len(), plan.block_tables.len());
@@ -969,7 +1053,10 @@ impl Backend for CudaBackend {
         batch.layout = layout;
         batch.max_context = plan.seqs.iter().map(|s| s.context_len()).max();
         batch.max_query_len = plan.max_query_len();
-        batch.long_query_tiles = long_query_tiles(&plan.seqs);
+        batch.decode_rows = if self.inner.mixed_decode_rows { leading_one_token_seqs(&plan.seqs) } else { 0 };
+        let prompts = &plan.seqs[batch.decode_rows..];
+        batch.prompt_max_context = prompts.iter().map(|s| s.context_len()).max().unwrap_or(0);
+        batch.long_query_tiles = long_query_tiles(prompts);
         Ok(())
     }
 
@@ -1117,27 +1204,7 @@ impl Backend for CudaBackend {
     ) -> Result<()> {
         check_attention(qkv, shape, batch, cache, layer)?;
         check_rope_head_dim(shape)?;
-        let (qn, kn) = qk_norm.map_or((0, 0), |(q, k)| (q.buf.ptr(), k.buf.ptr()));
-        let args = [
-            Arg::Ptr(qkv.ptr()),
-            Arg::I32(shape.qkv_width() as i32),
-            Arg::Ptr(qn),
-            Arg::Ptr(kn),
-            Arg::I32(qk_norm.is_some() as i32),
-            Arg::F32(shape.qk_norm_eps),
-            Arg::Ptr(batch.section(batch.layout.positions)),
-            Arg::Ptr(batch.section(batch.layout.slots)),
-            Arg::Ptr(cache.keys[layer].ptr()),
-            Arg::Ptr(cache.values[layer].ptr()),
-            Arg::I32(shape.num_heads as i32),
-            Arg::I32(shape.num_kv_heads as i32),
-            Arg::I32(shape.head_dim as i32),
-            Arg::F32(shape.rope.theta),
-            Arg::Ptr(self.rope_frequencies(shape)?),
-            Arg::I32(cache.shape.block_size as i32),
-        ];
-        let grid = (batch.n_tokens as u32, 1, 1);
-        self.inner.gpu.launch(self.cache_kernels(cache.shape.dtype)?.rope, grid, 32 * ROPE_WARPS as u32, &args)
+        self.launch_rope_write_kv(qkv, qk_norm, shape, batch, cache, layer, 0)
     }
 
     fn paged_attention(
@@ -1150,10 +1217,11 @@ impl Backend for CudaBackend {
         out: &mut CudaTensor,
     ) -> Result<()> {
         check_attention(qkv, shape, batch, cache, layer)?;
-        if let Some(kernel) = self.tiled_prefill_kernel(shape, batch, cache)? {
-            return self.launch_prefill_attention(kernel, qkv, shape, batch, cache, layer, out);
-        }
-        self.launch_attention(qkv, shape, batch, cache, layer, out, QkRotation::Done)
+        let Some(kernel) = self.tiled_prefill_kernel(shape, batch, cache)? else {
+            return self.launch_attention(qkv, shape, batch, cache, layer, out, batch.n_tokens, QkRotation::Done);
+        };
+        self.launch_prefill_attention(kernel, qkv, shape, batch, cache, layer, out)?;
+        self.launch_attention(qkv, shape, batch, cache, layer, out, batch.decode_rows, QkRotation::Done)
     }
 
     fn rope_attention(
@@ -1166,13 +1234,21 @@ impl Backend for CudaBackend {
         layer: usize,
         out: &mut CudaTensor,
     ) -> Result<()> {
-        if !batch.is_decode() {
-            self.rope_and_write_kv(qkv, qk_norm, shape, batch, cache, layer)?;
-            return self.paged_attention(qkv, shape, batch, cache, layer, out);
-        }
         check_attention(qkv, shape, batch, cache, layer)?;
         check_rope_head_dim(shape)?;
-        self.launch_attention(qkv, shape, batch, cache, layer, out, QkRotation::InKernel(qk_norm))
+        let rotating = QkRotation::InKernel(qk_norm);
+        if batch.is_decode() {
+            return self.launch_attention(qkv, shape, batch, cache, layer, out, batch.n_tokens, rotating);
+        }
+        let Some(kernel) = self.tiled_prefill_kernel(shape, batch, cache)? else {
+            self.launch_rope_write_kv(qkv, qk_norm, shape, batch, cache, layer, 0)?;
+            return self.launch_attention(qkv, shape, batch, cache, layer, out, batch.n_tokens, QkRotation::Done);
+        };
+        // The prompts' q and k go through the RoPE kernel; the decode rows' through their attention kernel, as in
+        // a decode step.
+        self.launch_rope_write_kv(qkv, qk_norm, shape, batch, cache, layer, batch.decode_rows)?;
+        self.launch_prefill_attention(kernel, qkv, shape, batch, cache, layer, out)?;
+        self.launch_attention(qkv, shape, batch, cache, layer, out, batch.decode_rows, rotating)
     }
 
     fn silu_mul(&self, gate_up: &CudaTensor, out: &mut CudaTensor) -> Result<()> {
@@ -1248,6 +1324,12 @@ fn check_attention(qkv: &CudaTensor, shape: &AttentionShape, batch: &CudaBatch, 
     Ok(())
 }
 
+/// How many sequences at the start of a step have one query token each (`CudaBatch::decode_rows`); all of them in
+/// a decode step.
+fn leading_one_token_seqs(seqs: &[PlannedSeq]) -> usize {
+    seqs.iter().take_while(|s| s.len == 1).count()
+}
+
 /// Narrow prefill-attention query tiles of the sequences whose context is at least half the longest
 /// (`CudaBatch::long_query_tiles`).
 fn long_query_tiles(seqs: &[PlannedSeq]) -> usize {
@@ -1267,12 +1349,16 @@ fn argmax_blocks_per_row(rows: usize, vocab: usize, sm_count: usize) -> usize {
 
 #[cfg(test)]
 mod tests {
-    use super::{argmax_blocks_per_row, long_query_tiles, PlannedSeq, PrefillSplitChoice, PrefillTiling, PrefillTilingChoice};
+    use super::{
+        argmax_blocks_per_row, leading_one_token_seqs, long_query_tiles, PlannedSeq, PrefillSplitChoice, PrefillTiling,
+        PrefillTilingChoice,
+    };
 
     #[test]
     fn only_long_contexts_count_toward_the_prefill_split() {
         let seq = |len, past_len| PlannedSeq { len, past_len, ..PlannedSeq::default() };
-        // A 256-token chunk at 3,544 cached tokens beside eight decode rows at ~200: only the chunk's 4 tiles.
+        // A 256-token chunk at 3,544 cached tokens beside eight decode rows at ~200 (left in the prefill kernel by
+        // STEPLLM_NO_MIXED_DECODE_ROWS=1): only the chunk's 4 tiles.
         let mut mixed = vec![seq(256, 3544)];
         mixed.extend((0..8).map(|i| seq(1, 200 + i)));
         assert_eq!(long_query_tiles(&mixed), 4);
@@ -1281,6 +1367,20 @@ mod tests {
         // Shorter than half the longest: left out.
         assert_eq!(long_query_tiles(&[seq(100, 0), seq(128, 0), seq(63, 0)]), 4);
         assert_eq!(long_query_tiles(&[]), 0);
+    }
+
+    #[test]
+    fn a_mixed_steps_leading_one_token_rows_leave_the_prefill_kernel() {
+        let seq = |len, past_len| PlannedSeq { len, past_len, ..PlannedSeq::default() };
+        // Decode rows first (forward_order), then a prompt's one-token last chunk and a prompt: the chunk goes with
+        // the decode rows, so only the prompt's query tile counts toward the split, not the rows' long contexts.
+        let step = [seq(1, 900), seq(1, 300), seq(1, 128), seq(40, 0)];
+        assert_eq!(leading_one_token_seqs(&step), 3);
+        assert_eq!(long_query_tiles(&step[3..]), 1);
+        // A prompt first: nothing leaves (a one-token sequence after it stays in the prefill kernel).
+        assert_eq!(leading_one_token_seqs(&[seq(40, 0), seq(1, 300)]), 0);
+        // A decode step: every row.
+        assert_eq!(leading_one_token_seqs(&[seq(1, 5), seq(1, 9)]), 2);
     }
 
     #[test]
