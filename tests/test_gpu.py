@@ -411,18 +411,20 @@ def test_mixed_step_on_gpu(models_dir: Path) -> None:
     assert_released(coord)
 
 
-@pytest.mark.parametrize("kv_cache_dtype,prefill_splits", [("auto", None), ("fp8", "4")])
-def test_mixed_step_decode_rows_take_the_decode_kernel(kv_cache_dtype: str, prefill_splits: str | None,
+@pytest.mark.parametrize("kv_cache_dtype,prefill_env", [("auto", None), ("fp8", ("STEPLLM_PREFILL_SPLITS", "4")),
+                                                        ("auto", ("STEPLLM_PREFILL_M_TILES", "2"))])
+def test_mixed_step_decode_rows_take_the_decode_kernel(kv_cache_dtype: str, prefill_env: tuple[str, str] | None,
                                                         models_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A mixed step's decode rows come first, and they, with a one-token prompt right after them, take the decode
     attention kernel, which rotates their q and k itself; the prompts after them take the RoPE kernel and the tiled
-    prefill attention, whose blocks (and, with STEPLLM_PREFILL_SPLITS forcing key splits, whose merge) start past
-    those rows. Three requests decode (contexts up to 1,300, so the decode kernel splits keys) while a one-token and a
-    200-token prompt join. Each request's greedy ids agree until the first near-tie, with log-probabilities within
-    the bf16 tolerance, with the five computed as one group and decoded together, and with the same session under
+    prefill attention, whose blocks start past those rows: narrow blocks, narrow blocks whose keys are split and
+    merged (STEPLLM_PREFILL_SPLITS=4; the merge starts past the rows too), or wide blocks (STEPLLM_PREFILL_M_TILES=2).
+    Three requests decode (contexts up to 1,300, so the decode kernel splits keys) while a one-token and a 200-token
+    prompt join. Each request's greedy ids agree until the first near-tie, with log-probabilities within the bf16
+    tolerance, with the five computed as one group and decoded together, and with the same session under
     STEPLLM_NO_MIXED_DECODE_ROWS=1 (every row in the prefill kernel)."""
-    if prefill_splits:
-        monkeypatch.setenv("STEPLLM_PREFILL_SPLITS", prefill_splits)
+    if prefill_env:
+        monkeypatch.setenv(*prefill_env)
     path = gpu_models.make("qwen3", models_dir)
     prompts = [[(7 * i + 3 * k) % 991 + 2 for i in range(n)] for k, n in enumerate((1300, 300, 40, 1, 200))]
     requests = [stepllm.GenerationRequest(p, greedy(8, logprobs=2)) for p in prompts]
