@@ -33,7 +33,8 @@ const MAX_OUTPUTS: usize = 16384;
 /// Most blocks one output tile's K is split over.
 const MAX_SPLITS: usize = 16;
 
-/// What the kernel does after the product (OUT_STORE, OUT_ADD, OUT_SILU of kernels/gemv_common.cuh).
+/// What the kernel does before the product (the Norm kinds: IN_NORM) and after it (OUT_STORE, OUT_ADD, OUT_SILU of
+/// kernels/gemv_common.cuh).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub(super) enum SkinnyKind {
     /// `y = x · Wᵀ (+ bias)`
@@ -103,6 +104,11 @@ impl SkinnyGemm {
 
     /// One launch; `norm`: the RMSNorm's (weights, epsilon) for the Norm kinds.
     pub fn launch(&self, gpu: &Gpu, kind: SkinnyKind, p: &Projection, norm: Option<(u64, f32)>) -> Result<()> {
+        if matches!(kind, SkinnyKind::NormStore | SkinnyKind::NormSilu) != norm.is_some() {
+            return Err(Error::Device(format!(
+                "skinny GEMM {kind:?} launched with norm {norm:?}: the Norm kinds, and only they, take the RMSNorm's weights (a bug)"
+            )));
+        }
         let tiles_per_block = p.rows.min(BLOCK_TOKENS).div_ceil(TOKEN_TILE);
         let f = self.kernels[kind as usize][tiles_per_block - 1];
         let silu = matches!(kind, SkinnyKind::Silu | SkinnyKind::NormSilu);
