@@ -875,9 +875,8 @@ impl CudaBackend {
         if rows == 0 {
             return Ok(());
         }
-        let n = rows;
-        let splits = self.attention_splits(n, shape.num_kv_heads, batch.max_context);
-        let (partial, counters) = self.attention_workspace(n, shape, splits)?;
+        let splits = self.attention_splits(rows, shape.num_kv_heads, batch.max_context);
+        let (partial, counters) = self.attention_workspace(rows, shape, splits)?;
         let (qn, kn) = qk_norm.map_or((0, 0), |(q, k)| (q.buf.ptr(), k.buf.ptr()));
         let args = [
             Arg::Ptr(qkv.ptr()),
@@ -906,7 +905,7 @@ impl CudaBackend {
             QkRotation::Done => &args[..args.len() - ROTATION_ARGS],
             QkRotation::InKernel(_) => &args[..],
         };
-        self.inner.gpu.launch(f, (n as u32, shape.num_kv_heads as u32, splits as u32), 128, args)
+        self.inner.gpu.launch(f, (rows as u32, shape.num_kv_heads as u32, splits as u32), 128, args)
     }
 
     /// `out = x · Wᵀ (+ bias)` on cuBLAS (the bias by a second kernel).

@@ -10,6 +10,7 @@
 //! into its next block on the device; a row about to run past what was uploaded, or any other change of the
 //! batch, takes a fresh upload.
 
+use super::backend::SEQ_INFO_WORDS;
 use crate::model::ForwardBatch;
 
 /// Words before a decode graph's metadata: [mode, rows, 0, 0]; four keep the metadata 16-byte aligned.
@@ -56,7 +57,7 @@ pub fn write_tables(
     for (i, seq) in batch.seqs.iter().enumerate() {
         let table = &seq.block_table;
         tables[at..at + table.len()].copy_from_slice(table);
-        seq_info[5 * i + 3] = at as u32;
+        seq_info[SEQ_INFO_WORDS * i + 3] = at as u32; // table_start
         if advance {
             rows.push(DeviceRow { table_start: at, table_len: table.len(), past_len: seq.past_len, token: 0 });
         }
@@ -137,7 +138,7 @@ mod tests {
     /// Upload `batch` as a fresh step, then record `sampled`: the tables section and the device state.
     fn uploaded(batch: &ForwardBatch, sampled: &[u32]) -> (Vec<u32>, DeviceRows) {
         let mut tables = vec![0; 64];
-        let mut seq_info = vec![0; 5 * batch.seqs.len()];
+        let mut seq_info = vec![0; SEQ_INFO_WORDS * batch.seqs.len()];
         let (_, rows) = write_tables(batch, BS, 8, true, &mut tables, &mut seq_info);
         let mut rows = rows.expect("distinct blocks");
         rows.record_sampled(sampled.iter().copied());

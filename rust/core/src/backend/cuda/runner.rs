@@ -12,7 +12,7 @@ use std::time::Instant;
 
 use cudarc::driver::{sys, CudaGraph};
 
-use super::backend::{CudaBackend, DeviceLogits, MetaLayout};
+use super::backend::{CudaBackend, DeviceLogits, MetaLayout, SEQ_INFO_WORDS};
 use super::decode_advance::{self, DeviceRows, HEADER_WORDS};
 use super::device::{DeviceBuffer, PinnedBuffer};
 use super::sampler::Sampler;
@@ -73,8 +73,8 @@ impl DecodeGraphs {
             meta[lay.positions + i] = 0;
             meta[lay.slots + i] = (num_blocks * block_size) as u32;
             meta[lay.token_seq + i] = i as u32;
-            let at = lay.seq_info + 5 * i;
-            meta[at..at + 5].copy_from_slice(&[i as u32, 1, 0, dummy_table as u32, 1]);
+            let at = lay.seq_info + SEQ_INFO_WORDS * i;
+            meta[at..at + SEQ_INFO_WORDS].copy_from_slice(&[i as u32, 1, 0, dummy_table as u32, 1]);
             meta[lay.logits_rows + i] = i as u32;
         }
         self.device_rows = rows;
