@@ -10,6 +10,21 @@
 #define OUT_ADD 1
 #define OUT_SILU 2
 
+// 1 / rms of one row of K values, summed by the calling warp: `load(i)` gives the row's i-th 8-value vector. Every
+// RMSNorm prologue of a projection (here and kernels/skinny_gemm.cu) sums its squares in this order.
+template <typename Load>
+__device__ __forceinline__ float warp_inverse_rms(Load load, int K, float eps) {
+    const int lane = threadIdx.x & 31;
+    float ss = 0.0f;
+    for (int i = lane; i < K / 8; i += 32) {
+        float v[8];
+        unpack8(load(i), v);
+#pragma unroll
+        for (int j = 0; j < 8; j++) ss += v[j] * v[j];
+    }
+    return rsqrtf(warp_sum(ss) / K + eps);
+}
+
 // x (or its rms_norm) into shared memory as bf16 [M][K]. Every thread of the block takes part; one read of x
 // from L2, and the rows are normalized together (warp m sums row m), so M rows cost no more round trips than one.
 // norm_w may be in global or shared memory (kernels/gemv_bulk.cu stages it before the PDL wait).
@@ -24,15 +39,9 @@ __device__ __forceinline__ void stage_input(const bf16* __restrict__ x, const fl
     if (IN == IN_NORM) {
         const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
         if (warp < M) {
-            float ss = 0.0f;
-            for (int i = lane; i < vecs; i += 32) {
-                float v[8];
-                unpack8(dst[warp * vecs + i], v);
-#pragma unroll
-                for (int j = 0; j < 8; j++) ss += v[j] * v[j];
-            }
-            ss = warp_sum(ss);
-            if (lane == 0) inv[warp] = rsqrtf(ss / K + eps);
+            const uint4* row = dst + warp * vecs;
+            const float r = warp_inverse_rms([&](int i) { return row[i]; }, K, eps);
+            if (lane == 0) inv[warp] = r;
         }
         __syncthreads();
         for (int i = threadIdx.x; i < M * vecs; i += blockDim.x) {

@@ -87,15 +87,8 @@ __device__ __forceinline__ void token_inverse_rms(const bf16* __restrict__ x, in
             continue;
         }
         const uint4* row = reinterpret_cast<const uint4*>(x + (size_t)(m0 + i) * K);
-        float ss = 0.0f;
-        for (int c = lane; c < K / 8; c += 32) {
-            float v[8];
-            unpack8(__ldcg(row + c), v);
-#pragma unroll
-            for (int j = 0; j < 8; j++) ss += v[j] * v[j];
-        }
-        ss = warp_sum(ss);
-        if (lane == 0) inv[i] = rsqrtf(ss / K + eps);
+        const float r = warp_inverse_rms([&](int c) { return __ldcg(row + c); }, K, eps);
+        if (lane == 0) inv[i] = r;
     }
 }
 

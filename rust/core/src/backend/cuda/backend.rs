@@ -694,20 +694,24 @@ impl CudaBackend {
     fn linear_beyond_gemv(&self, x: &CudaTensor, weight: &CudaMatrix, bias: Option<&CudaVector>, out: &mut CudaTensor) -> Result<()> {
         if self.use_skinny(x.rows, weight) {
             self.ensure(out, x.rows, weight.rows)?;
-            return self.launch_skinny(SkinnyKind::Store, x, weight, bias, out.ptr());
+            return self.launch_skinny(SkinnyKind::Store, x, None, weight, bias, out.ptr());
         }
         self.cublas_linear(x, weight, bias, out)
     }
 
-    /// One skinny-GEMM launch: `x` is `[x.rows, weight.cols]`, the output goes to `y` (see [`SkinnyKind`]).
-    fn launch_skinny(&self, kind: SkinnyKind, x: &CudaTensor, weight: &CudaMatrix, bias: Option<&CudaVector>, y: u64) -> Result<()> {
-        self.inner.skinny.launch(&self.inner.gpu, kind, &projection(x.rows, x.ptr(), weight, bias, y), None)
-    }
-
-    /// A skinny-GEMM launch of a Norm kind: `rms_norm(x)` (its weights and epsilon) times `weight`.
-    fn launch_skinny_normed(&self, kind: SkinnyKind, x: &CudaTensor, (norm, eps): (&CudaVector, f32), weight: &CudaMatrix, bias: Option<&CudaVector>, y: u64) -> Result<()> {
+    /// One skinny-GEMM launch: `x` is `[x.rows, weight.cols]`, the output goes to `y` (see [`SkinnyKind`]); `norm`:
+    /// the RMSNorm's weights and epsilon, for the Norm kinds (`rms_norm(x)` times `weight`).
+    fn launch_skinny(
+        &self,
+        kind: SkinnyKind,
+        x: &CudaTensor,
+        norm: Option<(&CudaVector, f32)>,
+        weight: &CudaMatrix,
+        bias: Option<&CudaVector>,
+        y: u64,
+    ) -> Result<()> {
         let op = projection(x.rows, x.ptr(), weight, bias, y);
-        self.inner.skinny.launch(&self.inner.gpu, kind, &op, Some((norm.buf.ptr(), eps)))
+        self.inner.skinny.launch(&self.inner.gpu, kind, &op, norm.map(|(w, eps)| (w.buf.ptr(), eps)))
     }
 
     /// Whether an `m`-row projection of `weight` goes to the skinny GEMM with its RMSNorm inside.
@@ -1119,7 +1123,7 @@ impl Backend for CudaBackend {
         if !self.use_gemv(x.rows, weight.cols) {
             if self.use_skinny_norm(x.rows, weight) {
                 self.ensure(out, x.rows, weight.rows)?;
-                return self.launch_skinny_normed(SkinnyKind::NormStore, x, (norm, eps), weight, bias, out.ptr());
+                return self.launch_skinny(SkinnyKind::NormStore, x, Some((norm, eps)), weight, bias, out.ptr());
             }
             self.rms_norm(x, norm, eps, normed)?;
             return self.linear_beyond_gemv(normed, weight, bias, out);
@@ -1146,12 +1150,12 @@ impl Backend for CudaBackend {
         if !self.use_gemv(x.rows, gate_up.cols) {
             if self.use_skinny_norm(x.rows, gate_up) {
                 self.ensure(out, x.rows, gate_up.rows / 2)?;
-                return self.launch_skinny_normed(SkinnyKind::NormSilu, x, (norm, eps), gate_up, None, out.ptr());
+                return self.launch_skinny(SkinnyKind::NormSilu, x, Some((norm, eps)), gate_up, None, out.ptr());
             }
             self.rms_norm(x, norm, eps, normed)?;
             if self.use_skinny(x.rows, gate_up) {
                 self.ensure(out, x.rows, gate_up.rows / 2)?;
-                return self.launch_skinny(SkinnyKind::Silu, normed, gate_up, None, out.ptr());
+                return self.launch_skinny(SkinnyKind::Silu, normed, None, gate_up, None, out.ptr());
             }
             self.cublas_linear(normed, gate_up, None, product)?;
             return self.silu_mul(product, out);
@@ -1179,7 +1183,7 @@ impl Backend for CudaBackend {
             return self.launch_gemv(GemvKind::AddInto, x.rows, x.ptr(), None, weight, bias, residual.ptr());
         }
         if self.use_skinny(x.rows, weight) {
-            return self.launch_skinny(SkinnyKind::AddInto, x, weight, bias, residual.ptr());
+            return self.launch_skinny(SkinnyKind::AddInto, x, None, weight, bias, residual.ptr());
         }
         if bias.is_some() {
             self.cublas_linear(x, weight, bias, product)?;

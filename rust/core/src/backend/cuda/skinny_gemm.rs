@@ -53,7 +53,7 @@ const KIND_NAMES: [&str; 5] = ["store", "add", "silu", "norm_store", "norm_silu"
 
 pub(super) struct SkinnyGemm {
     /// `kernels[kind][token tiles - 1]`
-    kernels: [Vec<Func>; 5],
+    kernels: [Vec<Func>; KIND_NAMES.len()],
     /// Blocks resident per multiprocessor, per token-tile count (the same for every kind).
     resident: Vec<usize>,
     max_rows: usize,
@@ -70,7 +70,10 @@ impl SkinnyGemm {
         let kind = |name: &str| -> Result<Vec<Func>> {
             (1..=BLOCK_TOKENS / TOKEN_TILE).map(|t| gpu.function("skinny_gemm", &format!("skinny_gemm_{name}_t{t}"))).collect()
         };
-        let kernels = [kind(KIND_NAMES[0])?, kind(KIND_NAMES[1])?, kind(KIND_NAMES[2])?, kind(KIND_NAMES[3])?, kind(KIND_NAMES[4])?];
+        let mut kernels: [Vec<Func>; KIND_NAMES.len()] = Default::default();
+        for (family, name) in kernels.iter_mut().zip(KIND_NAMES) {
+            *family = kind(name)?;
+        }
         let mut resident = Vec::new();
         for (i, &f) in kernels[0].iter().enumerate() {
             let smem = reduction_bytes(i + 1);
