@@ -18,39 +18,6 @@
 #pragma once
 #include "kv_cache.cuh"
 
-// The mma operand type of a cache element type, and the products on it.
-template <typename KV>
-struct MmaOperand;
-
-template <>
-struct MmaOperand<bf16> {
-    __device__ static __forceinline__ u32 pack(float lo, float hi) { return pack_bf16(lo, hi); }
-    __device__ static __forceinline__ void mma(float c[4], const u32 a[4], u32 b0, u32 b1) { mma_bf16(c, a, b0, b1); }
-};
-
-template <>
-struct MmaOperand<fp8> {
-    __device__ static __forceinline__ u32 pack(float lo, float hi) {
-        const __half2 h = __floats2half2_rn(lo, hi);
-        return *reinterpret_cast<const u32*>(&h);
-    }
-    __device__ static __forceinline__ void mma(float c[4], const u32 a[4], u32 b0, u32 b1) { mma_f16(c, a, b0, b1); }
-    // The four e4m3 values of a word as two f16 pairs: bytes 0, 1 in `lo`, bytes 2, 3 in `hi`, the first of each in
-    // its low half. On sm_89 and newer one conversion each, the high half read in place rather than after a shift.
-    __device__ static __forceinline__ void pairs(u32 bytes, u32& lo, u32& hi) {
-#if __CUDA_ARCH__ >= 890
-        asm("{.reg .b16 l, h;\n mov.b32 {l, h}, %2;\n cvt.rn.f16x2.e4m3x2 %0, l;\n cvt.rn.f16x2.e4m3x2 %1, h;}"
-            : "=r"(lo), "=r"(hi)
-            : "r"(bytes));
-#else
-        const __half2_raw l = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(bytes & 0xffffu), __NV_E4M3);
-        const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(bytes >> 16), __NV_E4M3);
-        lo = (u32)l.x | ((u32)l.y << 16);
-        hi = (u32)h.x | ((u32)h.y << 16);
-#endif
-    }
-};
-
 template <int D, int G, typename KV>
 struct MmaDecode {
     using Op = MmaOperand<KV>;

@@ -73,9 +73,48 @@ __device__ __forceinline__ uint2 kv_pack8<fp8>(const uint4& raw) {
     return make_uint2(w[0] | (w[1] << 16), w[2] | (w[3] << 16));
 }
 
-// Eight cache elements as eight bf16 (one 16-byte word): how the tensor-core prefill attention stages fp8 tiles.
-__device__ __forceinline__ uint4 kv_to_bf16x8(const uint2& raw) {
-    float f[8];
-    kv_unpack8(raw, f);
-    return make_uint4(pack_bf16(f[0], f[1]), pack_bf16(f[2], f[3]), pack_bf16(f[4], f[5]), pack_bf16(f[6], f[7]));
-}
+// The mma operand type of a cache element type, and the products on it.
+template <typename KV>
+struct MmaOperand;
+
+template <>
+struct MmaOperand<bf16> {
+    __device__ static __forceinline__ u32 pack(float lo, float hi) { return pack_bf16(lo, hi); }
+    __device__ static __forceinline__ void mma(float c[4], const u32 a[4], u32 b0, u32 b1) { mma_bf16(c, a, b0, b1); }
+    // Two bf16 values (a q pair) as operands.
+    __device__ static __forceinline__ u32 from_bf16x2(u32 w) { return w; }
+};
+
+template <>
+struct MmaOperand<fp8> {
+    __device__ static __forceinline__ u32 pack(float lo, float hi) {
+        const __half2 h = __floats2half2_rn(lo, hi);
+        return *reinterpret_cast<const u32*>(&h);
+    }
+    __device__ static __forceinline__ void mma(float c[4], const u32 a[4], u32 b0, u32 b1) { mma_f16(c, a, b0, b1); }
+    // Two bf16 values as f16 (exact in f16 range).
+    __device__ static __forceinline__ u32 from_bf16x2(u32 w) {
+        return pack(__uint_as_float(w << 16), __uint_as_float(w & 0xffff0000u));
+    }
+    // The four e4m3 values of a word as two f16 pairs: bytes 0, 1 in `lo`, bytes 2, 3 in `hi`, the first of each in
+    // its low half. On sm_89 and newer one conversion each, the high half read in place rather than after a shift.
+    __device__ static __forceinline__ void pairs(u32 bytes, u32& lo, u32& hi) {
+#if __CUDA_ARCH__ >= 890
+        asm("{.reg .b16 l, h;\n mov.b32 {l, h}, %2;\n cvt.rn.f16x2.e4m3x2 %0, l;\n cvt.rn.f16x2.e4m3x2 %1, h;}"
+            : "=r"(lo), "=r"(hi)
+            : "r"(bytes));
+#else
+        const __half2_raw l = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(bytes & 0xffffu), __NV_E4M3);
+        const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(bytes >> 16), __NV_E4M3);
+        lo = (u32)l.x | ((u32)l.y << 16);
+        hi = (u32)h.x | ((u32)h.y << 16);
+#endif
+    }
+    // Eight e4m3 values as eight f16 (one 16-byte word), in order.
+    __device__ static __forceinline__ uint4 widen8(const uint2& raw) {
+        uint4 w;
+        pairs(raw.x, w.x, w.y);
+        pairs(raw.y, w.z, w.w);
+        return w;
+    }
+};

@@ -19,9 +19,11 @@
 // then gives each query tile `splits` blocks, each taking an equal share of its K/V tiles; they leave unnormalized
 // partial outputs with their (max, sum), and prefill_attention_merge combines them.
 //
-// An fp8 cache (kernels/kv_cache.cuh) is widened to bf16 on its way to shared memory, so the products are the same
-// bf16 mma.sync: its tiles go through registers (loaded for tile j + 1 before tile j computes, stored after)
-// instead of cp.async.
+// An fp8 cache (kernels/kv_cache.cuh) is widened to f16 on its way to shared memory (one conversion per pair: every
+// e4m3 value is an f16), and its products run as f16 mma.sync, with q converted to f16 (exact in f16 range) and P
+// rounded to f16, as in the decode kernel (kernels/attention_mma.cuh). Widening to bf16 took three conversions a
+// pair, a sixth of the main loop's instructions. Its tiles go through registers (loaded for tile j + 1 before tile
+// j computes, stored after) instead of cp.async.
 //
 // Layouts of one warp's m16n8k16 operands (PTX ISA, "Matrix fragments for mma.m16n8k16"): lane = 4 * r + c,
 // A (16x16, row-major): {a0, a1, a2, a3} = rows (r, r + 8) x cols (2c, 2c + 1) then cols + 8;
@@ -72,23 +74,41 @@ struct PrefillTiles {
     }
 };
 
-// Where kv head g of one sequence's positions live in the paged cache.
+// Where kv head g of one sequence's positions live in the paged cache ([block][kv head][position in block][D]),
+// in bytes. The tile loads take issue slots from the main loop's products (Nsight Compute found the integer pipe
+// the busiest), so the offsets are split into what is fixed for the block (a cache block's bytes, the head's offset
+// within one: both fit 32 bits) and what each piece adds, with one 32 x 32 -> 64-bit multiply-add per piece
+// instead of a chain of 64-bit products.
 struct PagedKv {
     const u32* table;
     FastDiv bdiv;
-    int block_size, num_kv_heads, g;
+    u32 block_size;
+    u32 block_bytes;     // num_kv_heads * block_size * D elements
+    u32 head_bytes;      // g * block_size * D elements
+    u32 position_bytes;  // D elements
+
+    template <int D, typename KV>
+    __device__ __forceinline__ static PagedKv make(const u32* table, int block_size, int num_kv_heads, int g) {
+        constexpr u32 E = sizeof(KV);
+        return PagedKv{table, FastDiv((u32)block_size), (u32)block_size, (u32)(num_kv_heads * block_size * D) * E,
+                       (u32)(g * block_size * D) * E, (u32)D * E};
+    }
 };
 
-// Element offset of piece (row, col) of the tile at p0, and whether that position is below `end` (else it reads
-// as zeros).
-template <int D>
-__device__ __forceinline__ bool tile_piece(const PagedKv& kv, int p0, int row, int col, int end, size_t& at) {
+// Piece (row, col) of the tile at p0 in a cache at `base`, and whether that position is below `end` (else it reads
+// as zeros). Past `end` the address is that of position end - 1 (valid: end >= 1 wherever a tile is loaded), so
+// the lookup needs no branch.
+template <typename KV>
+__device__ __forceinline__ bool tile_piece(const PagedKv& kv, int p0, int row, int col, int end, const KV* base,
+                                           const KV*& at) {
     const int p = p0 + row;
-    if (p >= end) return false;
-    const u32 b = kv.bdiv.div((u32)p);
-    const size_t blk = __ldg(kv.table + b);
-    at = ((blk * kv.num_kv_heads + kv.g) * kv.block_size + (p - (int)b * kv.block_size)) * D + col;
-    return true;
+    const bool valid = p < end;
+    const u32 q = (u32)(valid ? p : end - 1);
+    const u32 b = kv.bdiv.div(q);
+    const u32 blk = __ldg(kv.table + b);
+    const u32 in_block = kv.head_bytes + (q - b * kv.block_size) * kv.position_bytes + (u32)col * (u32)sizeof(KV);
+    at = reinterpret_cast<const KV*>(reinterpret_cast<const char*>(base) + in_block + (size_t)blk * kv.block_bytes);
+    return valid;
 }
 
 // K and V of positions [p0, p0 + BK) from a bf16 cache into stage `s` (cp.async); positions from `end` on are zeros.
@@ -100,10 +120,10 @@ __device__ __forceinline__ void load_kv_tile(const PrefillTiles<D, BK>& sm, int 
     for (int i = 0; i < T::PER_THREAD; i++) {
         int row, col;
         T::cell(i, row, col);
-        size_t at = 0;
-        const int bytes = tile_piece<D>(kv, p0, row, col, end, at) ? 16 : 0;
-        cp_async16(sm.k(s, row, col), k_cache + at, bytes);
-        cp_async16(sm.v(s, row, col), v_cache + at, bytes);
+        const bf16* k;
+        const int bytes = tile_piece(kv, p0, row, col, end, k_cache, k) ? 16 : 0;
+        cp_async16(sm.k(s, row, col), k, bytes);
+        cp_async16(sm.v(s, row, col), v_cache + (k - k_cache), bytes);
     }
 }
 
@@ -121,14 +141,17 @@ __device__ __forceinline__ void fetch_kv_tile(Fp8Tile<D, BK>& r, int p0, int end
     for (int i = 0; i < T::PER_THREAD; i++) {
         int row, col;
         T::cell(i, row, col);
-        size_t at;
-        const bool valid = tile_piece<D>(kv, p0, row, col, end, at);
-        r.k[i] = valid ? __ldcg(reinterpret_cast<const uint2*>(k_cache + at)) : make_uint2(0, 0);
-        r.v[i] = valid ? __ldcg(reinterpret_cast<const uint2*>(v_cache + at)) : make_uint2(0, 0);
+        const fp8* at;
+        const bool valid = tile_piece(kv, p0, row, col, end, k_cache, at);
+        // The address is valid either way (tile_piece), so the loads need no branch.
+        const uint2 k = __ldcg(reinterpret_cast<const uint2*>(at));
+        const uint2 v = __ldcg(reinterpret_cast<const uint2*>(v_cache + (at - k_cache)));
+        r.k[i] = valid ? k : make_uint2(0, 0);
+        r.v[i] = valid ? v : make_uint2(0, 0);
     }
 }
 
-// The fetched tile, widened to bf16, into stage `s`.
+// The fetched tile, widened to f16, into stage `s`.
 template <int D, int BK>
 __device__ __forceinline__ void stash_kv_tile(const PrefillTiles<D, BK>& sm, int s, const Fp8Tile<D, BK>& r) {
     using T = PrefillTiles<D, BK>;
@@ -136,8 +159,26 @@ __device__ __forceinline__ void stash_kv_tile(const PrefillTiles<D, BK>& sm, int
     for (int i = 0; i < T::PER_THREAD; i++) {
         int row, col;
         T::cell(i, row, col);
-        *reinterpret_cast<uint4*>(sm.k(s, row, col)) = kv_to_bf16x8(r.k[i]);
-        *reinterpret_cast<uint4*>(sm.v(s, row, col)) = kv_to_bf16x8(r.v[i]);
+        *reinterpret_cast<uint4*>(sm.k(s, row, col)) = MmaOperand<fp8>::widen8(r.k[i]);
+        *reinterpret_cast<uint4*>(sm.v(s, row, col)) = MmaOperand<fp8>::widen8(r.v[i]);
+    }
+}
+
+// A wide block's queries in shared memory (copied as bf16 by piece e = threadIdx.x + i * PF_THREADS) as f16
+// operands, each thread converting the pieces it copied: for an fp8 cache, whose products are on f16.
+template <int D, int BQ>
+__device__ __forceinline__ void queries_to_f16(bf16* s_q) {
+    constexpr int ROW = D + PF_PAD, PIECES = BQ * (D / 8) / PF_THREADS;
+#pragma unroll
+    for (int i = 0; i < PIECES; i++) {
+        const int e = threadIdx.x + i * PF_THREADS, row = e / (D / 8), col = (e % (D / 8)) * 8;
+        uint4* piece = reinterpret_cast<uint4*>(s_q + row * ROW + col);
+        uint4 w = *piece;
+        w.x = MmaOperand<fp8>::from_bf16x2(w.x);
+        w.y = MmaOperand<fp8>::from_bf16x2(w.y);
+        w.z = MmaOperand<fp8>::from_bf16x2(w.z);
+        w.w = MmaOperand<fp8>::from_bf16x2(w.w);
+        *piece = w;
     }
 }
 
@@ -207,7 +248,7 @@ __device__ void prefill_attention(const bf16* __restrict__ qkv, int width, const
     const int tile = blockIdx.z / splits, split = blockIdx.z - tile * splits;
     const int q0 = (gridDim.z / splits - 1 - tile) * BQ;  // the last query tiles have the most keys: they go first
     if (q0 >= len) return;  // block-uniform: this sequence has fewer query tiles
-    const PagedKv kv{block_tables + info[3], FastDiv((u32)block_size), block_size, num_kv_heads, g};
+    const PagedKv kv = PagedKv::make<D, KV>(block_tables + info[3], block_size, num_kv_heads, g);
     const int num_heads = num_kv_heads * group;
     // Keys this block's queries see: up to the position of its last query; this split takes K/V tiles [j0, j1).
     const int end = past + min(q0 + BQ, len);
@@ -216,6 +257,7 @@ __device__ void prefill_attention(const bf16* __restrict__ qkv, int width, const
     const bf16* q_rows = qkv + (size_t)h * D;  // query i's head at q_rows + (start + i) * width
 
     constexpr bool FP8 = std::is_same<KV, fp8>::value;
+    using Op = MmaOperand<KV>;  // bf16 operands, or f16 for an fp8 cache
     if constexpr (MT > 1) {
         // The block's queries into shared memory (zeros past the sequence), in the first tile's copy group.
         constexpr int PIECES = BQ * (D / 8) / PF_THREADS;
@@ -232,7 +274,12 @@ __device__ void prefill_attention(const bf16* __restrict__ qkv, int width, const
             fetch_kv_tile<D, BK>(first, j0 * BK, end, kv, k_cache, v_cache);
             stash_kv_tile<D, BK>(sm, 0, first);
         }
-        if constexpr (MT > 1) cp_async_commit();
+        if constexpr (MT > 1) {
+            // The queries, turned into f16 in place by the thread that copied each piece; the loop's first barrier
+            // publishes them. (Inside the loop this conversion cost the kernel its registers.)
+            cp_async_wait<0>();
+            queries_to_f16<D, BQ>(s_q);
+        }
     } else {
         if (j0 < j1) load_kv_tile<D, BK>(sm, 0, j0 * BK, end, kv, k_cache, v_cache);
         cp_async_commit();
@@ -257,10 +304,10 @@ __device__ void prefill_attention(const bf16* __restrict__ qkv, int width, const
         for (int kk = 0; kk < KSTEPS; kk++) {
             const bf16* row0 = q_base + (size_t)(start + i0[0]) * width + kk * 16;
             const bf16* row1 = q_base + (size_t)(start + i1[0]) * width + kk * 16;
-            qa[kk][0] = i0[0] < len ? *reinterpret_cast<const u32*>(row0) : 0u;
-            qa[kk][1] = i1[0] < len ? *reinterpret_cast<const u32*>(row1) : 0u;
-            qa[kk][2] = i0[0] < len ? *reinterpret_cast<const u32*>(row0 + 8) : 0u;
-            qa[kk][3] = i1[0] < len ? *reinterpret_cast<const u32*>(row1 + 8) : 0u;
+            qa[kk][0] = i0[0] < len ? Op::from_bf16x2(*reinterpret_cast<const u32*>(row0)) : 0u;
+            qa[kk][1] = i1[0] < len ? Op::from_bf16x2(*reinterpret_cast<const u32*>(row1)) : 0u;
+            qa[kk][2] = i0[0] < len ? Op::from_bf16x2(*reinterpret_cast<const u32*>(row0 + 8)) : 0u;
+            qa[kk][3] = i1[0] < len ? Op::from_bf16x2(*reinterpret_cast<const u32*>(row1 + 8)) : 0u;
         }
     }
     // Every row of this warp sees at least the positions up to `unmasked` (-1 when some row is past the sequence).
@@ -283,7 +330,6 @@ __device__ void prefill_attention(const bf16* __restrict__ qkv, int width, const
         Fp8Tile<D, BK> next;  // FP8: the next tile, in flight while this one computes
         if constexpr (FP8) {
             if (more) fetch_kv_tile<D, BK>(next, (j + 1) * BK, end, kv, k_cache, v_cache);
-            if (MT > 1 && j == j0) cp_async_wait<0>();  // the queries
         } else if (more) {
             load_kv_tile<D, BK>(sm, s ^ 1, (j + 1) * BK, end, kv, k_cache, v_cache);
             cp_async_commit();
@@ -320,8 +366,8 @@ __device__ void prefill_attention(const bf16* __restrict__ qkv, int width, const
                 ldmatrix_x4(b, sm.k(s, (t + (mi >> 1)) * 8 + (lane & 7), kk * 16 + (mi & 1) * 8));
 #pragma unroll
                 for (int mt = 0; mt < MT; mt++) {
-                    mma_bf16(sc[mt][t], qf[mt], b[0], b[1]);
-                    mma_bf16(sc[mt][t + 1], qf[mt], b[2], b[3]);
+                    Op::mma(sc[mt][t], qf[mt], b[0], b[1]);
+                    Op::mma(sc[mt][t + 1], qf[mt], b[2], b[3]);
                 }
             }
         }
@@ -363,8 +409,8 @@ __device__ void prefill_attention(const bf16* __restrict__ qkv, int width, const
                 const float e3 = fast_exp2(fmaf(sc[mt][t][3], qscale, -base1));
                 sum0 += e0 + e1;
                 sum1 += e2 + e3;
-                pa[mt][t / 2][(t & 1) * 2 + 0] = pack_bf16(e0, e1);
-                pa[mt][t / 2][(t & 1) * 2 + 1] = pack_bf16(e2, e3);
+                pa[mt][t / 2][(t & 1) * 2 + 0] = Op::pack(e0, e1);
+                pa[mt][t / 2][(t & 1) * 2 + 1] = Op::pack(e2, e3);
             }
             l0[mt] = l0[mt] * corr0[mt] + sum0;
             l1[mt] = l1[mt] * corr1[mt] + sum1;
@@ -394,8 +440,8 @@ __device__ void prefill_attention(const bf16* __restrict__ qkv, int width, const
 #pragma unroll
                 for (int mt = 0; mt < MT; mt++) {
                     // A = P rows x positions [16 kk, 16 kk + 16): S tiles 2 kk (cols +0) and 2 kk + 1 (cols +8).
-                    mma_bf16(o[mt][n], pa[mt][kk], b[0], b[1]);
-                    mma_bf16(o[mt][n + 1], pa[mt][kk], b[2], b[3]);
+                    Op::mma(o[mt][n], pa[mt][kk], b[0], b[1]);
+                    Op::mma(o[mt][n + 1], pa[mt][kk], b[2], b[3]);
                 }
             }
         }
