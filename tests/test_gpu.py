@@ -74,10 +74,11 @@ def hf_model(path: Path):
     return transformers.AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.bfloat16).cuda().eval()
 
 
-def hf_logits(path: Path, seqs: list[list[int]]) -> list["torch.Tensor"]:
-    """transformers' bf16 logits (as f32, on the host) at every position of each sequence, teacher-forced."""
+def hf_logits(path: Path, seqs: list[list[int]], cache=None) -> list["torch.Tensor"]:
+    """transformers' bf16 logits (as f32, on the host) at every position of each sequence, teacher-forced (each
+    through a fresh `cache()` when given, e.g. fp8_rounded_cache)."""
     model = hf_model(path)
-    out = [forced_logits(model, ids) for ids in seqs]
+    out = [forced_logits(model, ids, cache() if cache else None) for ids in seqs]
     del model
     torch.cuda.empty_cache()
     return out
@@ -554,10 +555,11 @@ def test_graph_replays_continue_their_metadata_on_the_device(models_dir: Path, m
     assert 0.85 * len(steps) <= on_device < len(steps) - 5, (on_device, len(steps))
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
 @pytest.mark.parametrize("tiling,splits", [("1", None), ("2", None), ("1", "3")])
 @pytest.mark.parametrize("name", ["qwen3", "smollm2"])
-def test_tiled_prefill_attention_matches_transformers(name: str, tiling: str, splits: str | None, models_dir: Path,
-                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+def test_tiled_prefill_attention_matches_transformers(name: str, tiling: str, splits: str | None, kv_cache_dtype: str,
+                                                      models_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Prompts long enough for the tensor-core prefill attention (several query tiles and K/V tiles, causal edges
     inside tiles, tiles wholly below a warp's causal edge), prefilled together as one group with a 1,100-token
     prompt whose query tiles outnumber the others', then a prompt whose first 160 tokens are cached (published by
@@ -565,7 +567,8 @@ def test_tiled_prefill_attention_matches_transformers(name: str, tiling: str, sp
     log-probabilities must match transformers'. Both block shapes, forced: narrow (16 query rows a warp, 64-position
     tiles) and wide (32 rows a warp, 32-position tiles, which the backend picks for long prompts). Then narrow
     blocks with every query tile's keys split over three blocks and merged (the backend splits steps with few query
-    tiles over many keys), which also leaves some splits of short tiles without keys."""
+    tiles over many keys), which also leaves some splits of short tiles without keys. With an fp8 cache (f16
+    products) the reference is transformers with a cache that rounds K and V to fp8, under the fp8 tolerances."""
     monkeypatch.setenv("STEPLLM_PREFILL_M_TILES", tiling)
     if splits is not None:
         monkeypatch.setenv("STEPLLM_PREFILL_SPLITS", splits)
@@ -574,21 +577,26 @@ def test_tiled_prefill_attention_matches_transformers(name: str, tiling: str, sp
     longest = [(7 * i + 3) % 991 + 2 for i in range(1100)]
     prompts = [long[:150], PROMPT[:37], long, longest]
     extended = long[:160] + [(13 * i + 1) % 397 + 2 for i in range(100)]
-    coord = coordinator(path, "cuda")
+    fp8 = kv_cache_dtype == "fp8"
+    coord = coordinator(path, "cuda", kv_cache_dtype=kv_cache_dtype)
+    assert (coord.info()["kv_cache_dtype"] == "fp8") == fp8
     outs = coord.dispatch_request([stepllm.GenerationRequest(p, greedy(1, logprobs=10)) for p in prompts])
     hit = coord.dispatch_request([stepllm.GenerationRequest(extended, greedy(1, logprobs=10))])[0]
     assert hit.cached_prompt_tokens == 160, hit.cached_prompt_tokens
     seqs = prompts + [extended]
-    forced = hf_logits(path, seqs)
+    forced = hf_logits(path, seqs, fp8_rounded_cache if fp8 else None)
     for p, out, logits in zip(seqs, outs + [hit], forced):
         row = logits[len(p) - 1]
         expected = torch.log_softmax(row, -1)
         lp = out.logprobs[0]
         ref_top = top2(row[None])
-        assert_greedy_agrees([lp.token_id], [ref_top[0][0]], ref_top, (name, len(p)))
+        if fp8:
+            assert_fp8_greedy_agrees([lp.token_id], [ref_top[0][0]], row[None], (name, len(p)))
+        else:
+            assert_greedy_agrees([lp.token_id], [ref_top[0][0]], ref_top, (name, len(p)))
         for tok, value in lp.top[:10]:
             want = expected[tok].item()
-            tol = logprob_tol(row, tok) + 0.03 * abs(want)
+            tol = logprob_tol(row, tok, ulps=FP8_NEAR_TIE_ULPS if fp8 else 4) + 0.03 * abs(want)
             assert abs(value - want) < tol, (name, len(p), tok, value, want, tol)
 
 
