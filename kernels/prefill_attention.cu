@@ -38,8 +38,11 @@
 #define PF_PAD 8       // bf16 of padding per shared row: rows 16 bytes apart mod 128, so ldmatrix is conflict-free
 
 // 16 bytes global -> shared without registers; src_bytes = 0 writes zeros (positions past the context).
+__device__ __forceinline__ void cp_async16_to(u32 dst, const void* src, int src_bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
+}
 __device__ __forceinline__ void cp_async16(void* dst, const void* src, int src_bytes) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src), "r"(src_bytes));
+    cp_async16_to(smem_addr(dst), src, src_bytes);
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
@@ -66,11 +69,16 @@ struct PrefillTiles {
     bf16* base;
     __device__ __forceinline__ bf16* k(int s, int row, int col) const { return base + (s * BK + row) * ROW + col; }
     __device__ __forceinline__ bf16* v(int s, int row, int col) const { return base + ((2 + s) * BK + row) * ROW + col; }
-    // The row (position) and column of piece i of this thread's share of a tile.
+    static constexpr int ROWS_PER_PASS = PF_THREADS / CHUNKS;
+    static_assert(PF_THREADS % CHUNKS == 0, "a thread's pieces share its column");
+    static constexpr u32 PASS_BYTES = ROWS_PER_PASS * ROW * 2;  // from one of a thread's pieces to its next
+    static constexpr u32 V_BYTES = 2 * BK * ROW * 2;           // from a piece of K to the same piece of V
+    // The row (position) and column of piece i of this thread's share of a tile: piece threadIdx.x + i * PF_THREADS
+    // in row-major order. Written as the thread's first row plus a constant step, so a piece's offsets within a
+    // stage are the first piece's plus an immediate rather than a division per piece.
     __device__ __forceinline__ static void cell(int i, int& row, int& col) {
-        const int e = threadIdx.x + i * PF_THREADS;
-        row = e / CHUNKS;
-        col = (e % CHUNKS) * 8;
+        row = (int)(threadIdx.x / CHUNKS) + i * ROWS_PER_PASS;
+        col = (int)(threadIdx.x % CHUNKS) * 8;
     }
 };
 
@@ -90,6 +98,9 @@ struct PagedKv {
     template <int D, typename KV>
     __device__ __forceinline__ static PagedKv make(const u32* table, int block_size, int num_kv_heads, int g) {
         constexpr u32 E = sizeof(KV);
+        // Opaque to the compiler, so each lookup is one multiply-add onto this pointer rather than the sequence's
+        // table offset and the entry's index added in 32 bits and then widened (four instructions a piece).
+        asm("mov.b64 %0, %0;" : "+l"(table));
         return PagedKv{table, FastDiv((u32)block_size), (u32)block_size, (u32)(num_kv_heads * block_size * D) * E,
                        (u32)(g * block_size * D) * E, (u32)D * E};
     }
@@ -116,14 +127,18 @@ template <int D, int BK>
 __device__ __forceinline__ void load_kv_tile(const PrefillTiles<D, BK>& sm, int s, int p0, int end, const PagedKv& kv,
                                              const bf16* k_cache, const bf16* v_cache) {
     using T = PrefillTiles<D, BK>;
+    int row0, col;
+    T::cell(0, row0, col);
+    const u32 first_k = smem_addr(sm.k(s, row0, col));
 #pragma unroll
     for (int i = 0; i < T::PER_THREAD; i++) {
-        int row, col;
+        int row;
         T::cell(i, row, col);
         const bf16* k;
         const int bytes = tile_piece(kv, p0, row, col, end, k_cache, k) ? 16 : 0;
-        cp_async16(sm.k(s, row, col), k, bytes);
-        cp_async16(sm.v(s, row, col), v_cache + (k - k_cache), bytes);
+        // Shared addresses from the first piece's plus a constant (T::cell), V's a constant past K's.
+        cp_async16_to(first_k + i * T::PASS_BYTES, k, bytes);
+        cp_async16_to(first_k + T::V_BYTES + i * T::PASS_BYTES, v_cache + (k - k_cache), bytes);
     }
 }
 
@@ -155,12 +170,14 @@ __device__ __forceinline__ void fetch_kv_tile(Fp8Tile<D, BK>& r, int p0, int end
 template <int D, int BK>
 __device__ __forceinline__ void stash_kv_tile(const PrefillTiles<D, BK>& sm, int s, const Fp8Tile<D, BK>& r) {
     using T = PrefillTiles<D, BK>;
+    int row0, col;
+    T::cell(0, row0, col);
+    bf16* const first_k = sm.k(s, row0, col);
 #pragma unroll
     for (int i = 0; i < T::PER_THREAD; i++) {
-        int row, col;
-        T::cell(i, row, col);
-        *reinterpret_cast<uint4*>(sm.k(s, row, col)) = MmaOperand<fp8>::widen8(r.k[i]);
-        *reinterpret_cast<uint4*>(sm.v(s, row, col)) = MmaOperand<fp8>::widen8(r.v[i]);
+        bf16* const k = first_k + i * (T::PASS_BYTES / 2);
+        *reinterpret_cast<uint4*>(k) = MmaOperand<fp8>::widen8(r.k[i]);
+        *reinterpret_cast<uint4*>(k + T::V_BYTES / 2) = MmaOperand<fp8>::widen8(r.v[i]);
     }
 }
 
