@@ -292,8 +292,10 @@ __device__ void prefill_attention(const bf16* __restrict__ qkv, int width, const
             stash_kv_tile<D, BK>(sm, 0, first);
         }
         if constexpr (MT > 1) {
-            // The queries, turned into f16 in place by the thread that copied each piece; the loop's first barrier
-            // publishes them. (Inside the loop this conversion cost the kernel its registers.)
+            // The queries (committed as a group, or the wait would not cover them), turned into f16 in place by the
+            // thread that copied each piece; the loop's first barrier publishes them. (Inside the loop this
+            // conversion cost the kernel its registers.)
+            cp_async_commit();
             cp_async_wait<0>();
             queries_to_f16<D, BQ>(s_q);
         }
