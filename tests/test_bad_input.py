@@ -370,3 +370,140 @@ def test_cuda_config_without_a_gpu_is_a_clear_device_error() -> None:
         pytest.skip("a CUDA GPU is usable here")
     with pytest.raises(stepllm.InvalidRequestError, match="unknown device"):
         stepllm.Config(device="tpu")
+
+
+# ------------------------------------------------------------------------------ sizes near the integer limits
+
+
+@pytest.mark.parametrize("kw,field", [
+    ({"kv_cache_tokens": 2**64 - 1}, "kv_cache_tokens"),
+    ({"kv_cache_tokens": 2**40}, "kv_cache_tokens"),
+    ({"max_batch_size": 2**62}, "max_batch_size"),
+    ({"max_model_len": 0}, "max_model_len"),
+    ({"max_model_len": 1}, "max_model_len"),
+])
+def test_sizes_out_of_range_are_refused_by_the_config(kw: dict[str, Any], field: str) -> None:
+    with pytest.raises(stepllm.InvalidRequestError, match=field):
+        stepllm.Config(model=str(FIXTURES / "llama"), device="cpu", **kw)
+
+
+@pytest.mark.parametrize("max_tokens", [2**64 - 1, 2**64 - 17, 2**63])
+def test_a_max_tokens_near_the_integer_limit_is_refused_and_leaves_the_coordinator_usable(max_tokens: int) -> None:
+    coord = coordinator(max_batch_size=2, kv_cache_tokens=256, block_size=4)
+    huge = stepllm.GenerationRequest([5] * 20, stepllm.SamplingParams(max_tokens=max_tokens))
+    with pytest.raises(stepllm.InvalidRequestError, match="max_tokens"):
+        coord.begin_stepped(huge)
+    with pytest.raises(stepllm.InvalidRequestError, match="max_tokens"):
+        coord.dispatch_request([stepllm.GenerationRequest([5, 6], greedy(3)), huge])
+    assert coord.counts()["live_slots"] == 0 and coord.counts()["leased_blocks"] == 0
+    (ok,) = coord.dispatch_request([stepllm.GenerationRequest([5, 6, 7], greedy(3))])
+    assert len(ok.output_ids) == 3
+
+
+# ------------------------------------------------------------------------------------ pinned system prompts
+
+
+def test_pinned_system_prompts_count_against_what_can_ever_fit() -> None:
+    """16 blocks of 4, 10 pinned by a system prompt: a request needing 8 can never run (REJECTED in a session, an
+    ERROR response from dispatch_request, which still answers the others), one that extends the system prompt can."""
+    coord = coordinator(max_batch_size=2, kv_cache_tokens=64, block_size=4)
+    system = list(range(100, 140))
+    assert coord.gen_and_save_system_prompt_kv_cache(system) == 40
+    assert coord.counts()["pinned_blocks"] == 10
+    big = stepllm.GenerationRequest(list(range(3, 23)), stepllm.SamplingParams(max_tokens=12, ignore_eos=True))
+    small = stepllm.GenerationRequest([5, 6, 7], greedy(4))
+    alone = coordinator(max_batch_size=2, kv_cache_tokens=64, block_size=4).dispatch_request([small])[0]
+    small_out, big_out = coord.dispatch_request([small, big])
+    assert small_out.output_ids == alone.output_ids
+    assert big_out.finish_reason == stepllm.FinishReason.ERROR and "pinned" in (big_out.error or ""), big_out.error
+    with coord.begin_stepped(small) as stepped:
+        stepped.prefill(stepllm.ImmutablePrefillBatch(stepped.founder()))
+        result = stepped.admit(big, 1, 2)
+        assert result.status == stepllm.AdmissionStatus.REJECTED and "pinned" in result.reason, result.reason
+        stepped.abort()
+    extends = stepllm.GenerationRequest(system + [7, 8, 9], greedy(8))
+    (hit,) = coord.dispatch_request([extends])
+    assert hit.cached_prompt_tokens == 40 and len(hit.output_ids) == 8
+    check_invariants(coord.counts())
+
+
+def test_a_request_that_can_never_fit_is_rejected_even_while_the_slots_are_full() -> None:
+    coord = coordinator(max_batch_size=1, kv_cache_tokens=64, block_size=4)
+    with coord.begin_stepped(stepllm.GenerationRequest([5, 6, 7], greedy(8))) as stepped:
+        stepped.prefill(stepllm.ImmutablePrefillBatch(stepped.founder()))
+        never = stepllm.GenerationRequest(list(range(3, 53)), stepllm.SamplingParams(max_tokens=30))
+        assert stepped.admit(never, 1, 2).status == stepllm.AdmissionStatus.REJECTED
+        fits = stepllm.GenerationRequest([8, 9], greedy(2))
+        assert stepped.admit(fits, 2, 3).status == stepllm.AdmissionStatus.NO_CAPACITY
+        stepped.abort()
+
+
+@pytest.mark.parametrize("case", ["longer than max_model_len", "the whole cache", "cache disabled"])
+def test_system_prompts_that_could_never_serve_a_request_are_refused(case: str) -> None:
+    if case == "longer than max_model_len":
+        coord = coordinator(kv_cache_tokens=1024, block_size=4, max_model_len=32)
+        prompt, match = list(range(100, 164)), "max_model_len"
+    elif case == "the whole cache":
+        coord = coordinator(kv_cache_tokens=64, block_size=4)
+        prompt, match = list(range(100, 164)), "no block"
+    else:
+        coord = coordinator(kv_cache_tokens=256, block_size=4, context_cache=stepllm.ContextCacheConfig(enabled=False))
+        prompt, match = list(range(100, 140)), "disabled"
+    before = coord.counts()
+    with pytest.raises(stepllm.InvalidRequestError, match=match):
+        coord.gen_and_save_system_prompt_kv_cache(prompt)
+    assert coord.counts() == before
+
+
+def test_saving_a_system_prompt_reports_the_tokens_the_cache_kept() -> None:
+    coord = coordinator(kv_cache_tokens=256, block_size=4, context_cache=stepllm.ContextCacheConfig(max_records=2))
+    assert coord.gen_and_save_system_prompt_kv_cache(list(range(100, 140))) == 8
+    assert coord.counts()["pinned_blocks"] == 2
+
+
+def test_a_system_prompt_over_an_earlier_requests_cached_blocks_pins_them_too() -> None:
+    coord = coordinator(kv_cache_tokens=256, block_size=4)
+    system = list(range(100, 120))
+    coord.dispatch_request([stepllm.GenerationRequest(system + [7], greedy(2))])
+    assert coord.gen_and_save_system_prompt_kv_cache(system) == 20
+    assert coord.counts()["pinned_blocks"] == 5
+
+
+# -------------------------------------------------------------------------------------- intents and LoRA names
+
+
+def test_an_intent_built_by_another_coordinator_is_checked_against_this_one() -> None:
+    wide = coordinator(kv_cache_tokens=1024, block_size=4)
+    narrow = coordinator(kv_cache_tokens=1024, block_size=4, max_model_len=32)
+    with wide.begin_stepped(stepllm.GenerationRequest([5, 6], greedy(2))) as a:
+        intent = a.build_intent(stepllm.GenerationRequest(list(range(3, 63)), greedy(8)), 0, 7)
+        a.abort()
+    with narrow.begin_stepped(stepllm.GenerationRequest([5, 6], greedy(2))) as b:
+        b.prefill(stepllm.ImmutablePrefillBatch(b.founder()))
+        with pytest.raises(stepllm.InvalidRequestError, match="max_model_len|context length"):
+            b.admit_intent(intent)
+        assert b.seated() == []
+        b.abort()
+
+
+def test_a_lora_name_is_refused_since_no_adapter_can_be_loaded() -> None:
+    coord = coordinator()
+    with pytest.raises(stepllm.InvalidRequestError, match="lora_name"):
+        coord.dispatch_request([stepllm.GenerationRequest([5, 6], greedy(2), lora_name="my-adapter")])
+
+
+# ------------------------------------------------------------------------------------------------ LLM prompts
+
+
+def test_llm_generate_refuses_a_dict_and_takes_integer_arrays_as_token_ids() -> None:
+    np = pytest.importorskip("numpy")
+    llm = stepllm.LLM(str(FIXTURES / "llama"), device="cpu", max_batch_size=2, kv_cache_tokens=512)
+    try:
+        with pytest.raises(stepllm.InvalidRequestError, match="LLM.chat"):
+            llm.generate({"role": "user", "content": "x"}, greedy(2))  # type: ignore[arg-type]
+        (expected,) = llm.generate([5, 6, 7], greedy(3))
+        (array,) = llm.generate(np.array([5, 6, 7]), greedy(3))  # type: ignore[arg-type]
+        (ints,) = llm.generate([[np.int64(5), np.int64(6), np.int64(7)]], greedy(3))
+        assert array.output_ids == expected.output_ids == ints.output_ids
+    finally:
+        llm.close()

@@ -311,7 +311,8 @@ class SamplingParams:
 
 @final
 class GenerationRequest:
-    """prompt: raw text, token ids, or a conversation of {"role", "content"} messages (chat template)."""
+    """prompt: raw text, token ids, or a conversation of {"role", "content"} messages (chat template).
+    lora_name is kept for Edge-LLM's API; no adapter can be loaded, so a request that names one is refused."""
     def __new__(
         cls,
         prompt: PromptInput,
@@ -548,11 +549,15 @@ class RuntimeCoordinator:
     def begin_stepped(self, request: GenerationRequest, request_id: int = 1, original_index: int = 0) -> SteppedRequest:
         """Admit the founder and run its prefill now; the first prefill tick reports its first token."""
     def dispatch_request(self, requests: Sequence[GenerationRequest]) -> list[GenerationResponse]:
-        """Run a whole batch to completion; responses in request order."""
+        """Run a whole batch to completion; responses in request order. Invalid requests raise before anything
+        runs; a request that can never run (too big for the KV cache, or for what pinned system prompts leave of
+        it) comes back with FinishReason.ERROR, the others are answered."""
     def count_prompt_tokens(self, request: GenerationRequest) -> int: ...
     def capture_decoding_cuda_graph(self) -> bool: ...
     def gen_and_save_system_prompt_kv_cache(self, prompt: PromptInput) -> int:
-        """Prefill a system prompt and pin its full KV blocks; returns the cached token count."""
+        """Prefill a system prompt and pin its full KV blocks for good; returns the tokens pinned (fewer when
+        the context cache's max_records refuses some). InvalidRequestError when it could never serve a request:
+        as long as max_model_len, pinning every free block, or the context cache disabled."""
     def supports_stepped_execution(self) -> bool: ...
     def supports_boundary_scheduling(self) -> bool: ...
     def world_size(self) -> int: ...
@@ -600,7 +605,7 @@ class SteppedRequest:
     def closed(self) -> bool: ...
     def counts(self) -> PoolCounts: ...
     def __enter__(self) -> SteppedRequest: ...
-    def __exit__(self, exc_type: object, exc: object, tb: object) -> bool: ...
+    def __exit__(self, exc_type: object, exc: object, tb: object, /) -> bool: ...
 
 @final
 class StreamChunk:
@@ -648,7 +653,7 @@ class Engine:
     @property
     def is_shut_down(self) -> bool: ...
     def __enter__(self) -> Engine: ...
-    def __exit__(self, exc_type: object, exc: object, tb: object) -> bool: ...
+    def __exit__(self, exc_type: object, exc: object, tb: object, /) -> bool: ...
 
 
 __all__ = [
@@ -673,6 +678,7 @@ __all__ = [
     "ImmutablePrefillBatch",
     "ImmutablePrefillGroup",
     "ImmutableDecodeBatch",
+    "ImmutableMixedBatch",
     "FinishReason",
     "TokenLogprob",
     "SamplingParams",

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import numbers
 import os
 from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence, Union
 
-from ._core import Config, GenerationRequest, GenerationResponse, RequestStream, SamplingParams
+from ._core import Config, GenerationRequest, GenerationResponse, InvalidRequestError, RequestStream, SamplingParams
 from .engine import Engine
 
 if TYPE_CHECKING:
@@ -18,14 +19,22 @@ SamplingArg = Union[SamplingParams, Sequence[SamplingParams], None]
 
 
 def _is_token_ids(x: object) -> bool:
-    return isinstance(x, (list, tuple)) and len(x) > 0 and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+    return (
+        isinstance(x, (list, tuple, range))
+        and len(x) > 0
+        and all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in x)
+    )
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
-    """str -> [str]; [int, ...] -> one token prompt; [str | [int], ...] -> as given."""
+    """str -> [str]; [int, ...] (or a 1-D integer array) -> one token prompt; [str | [int], ...] -> as given."""
+    if isinstance(prompts, Mapping):
+        raise InvalidRequestError("a prompt is a str or a list of token ids; pass chat messages to LLM.chat")
+    if hasattr(prompts, "tolist"):  # a numpy array of token ids, or of prompts
+        prompts = prompts.tolist()
     if isinstance(prompts, str) or _is_token_ids(prompts):
         return [prompts]  # type: ignore[list-item]
-    return list(prompts)  # type: ignore[arg-type]
+    return [list(p) if _is_token_ids(p) else p for p in prompts]  # type: ignore[union-attr]
 
 
 def _as_conversations(messages: Sequence[Message] | Sequence[Sequence[Message]]) -> list[Sequence[Message]]:
@@ -60,6 +69,8 @@ class LLM:
     block_size, max_model_len, context_cache, parallel). model None means the default model."""
 
     def __init__(self, model: str | os.PathLike[str] | None = None, device: str = "auto", **config: Any) -> None:
+        if model is not None:
+            model = os.path.expanduser(model)  # "~/models/x.gguf", as the CLI takes it
         self.config = Config(model=model, device=device, **config)
         self.engine = Engine(self.config)
 

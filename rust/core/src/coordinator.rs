@@ -91,6 +91,19 @@ impl Config {
         if let Some(tokens) = self.kv_cache_tokens.filter(|&t| t < self.block_size) {
             return invalid(format!("kv_cache_tokens ({tokens}) must hold at least one block ({})", self.block_size));
         }
+        if let Some(tokens) = self.kv_cache_tokens.filter(|&t| t.div_ceil(self.block_size) > MAX_KV_BLOCKS) {
+            return invalid(format!(
+                "kv_cache_tokens ({tokens}) needs more than {MAX_KV_BLOCKS} KV blocks of {} tokens; lower it or raise \
+                 block_size",
+                self.block_size
+            ));
+        }
+        if let Some(n) = self.max_batch_size.filter(|&n| n > MAX_BATCH_SIZE) {
+            return invalid(format!("max_batch_size ({n}) must be at most {MAX_BATCH_SIZE}"));
+        }
+        if let Some(n) = self.max_model_len.filter(|&n| n < 2) {
+            return invalid(format!("max_model_len ({n}) must be at least 2: one prompt token and one generated"));
+        }
         if !(self.gpu_memory_utilization > 0.0 && self.gpu_memory_utilization <= 1.0) {
             return invalid(format!("gpu_memory_utilization must be in (0, 1], got {}", self.gpu_memory_utilization));
         }
@@ -122,6 +135,12 @@ impl Config {
         Ok(())
     }
 }
+
+/// Most KV blocks a cache may have: block ids are 32-bit, and the pool's bookkeeping (a few bytes a block) stays
+/// small. 2^24 blocks of 16 tokens are 268 million tokens, more than any GPU's memory holds.
+pub const MAX_KV_BLOCKS: usize = 1 << 24;
+/// Most resident slots: far more than any device can step at once.
+pub const MAX_BATCH_SIZE: usize = 1 << 16;
 
 /// Resolve "cpu" / "cuda" / "cuda:N" / "auto".
 pub fn parse_device(name: &str) -> Result<Device> {
@@ -344,7 +363,8 @@ impl RuntimeCoordinator {
     ) -> Result<(StepperConfig, ModelInfo, IntentBuilder)> {
         let max_model_len = resolve_max_model_len(model_config.max_position_embeddings, config.max_model_len)?;
         let sizes = RuntimeSizes::resolve(config, runner, max_model_len)?;
-        let num_blocks = sizes.kv_cache_tokens.div_ceil(config.block_size);
+        // A cache sized from the device's memory is capped as an explicit one is refused (Config::validate).
+        let num_blocks = sizes.kv_cache_tokens.div_ceil(config.block_size).min(MAX_KV_BLOCKS);
         let stepper_config = StepperConfig {
             max_batch_size: sizes.max_batch_size,
             num_blocks,
@@ -417,15 +437,20 @@ impl RuntimeCoordinator {
     /// Begin a stepped session with a founder request; its prefill runs now and is reported by the first
     /// prefill tick.
     pub fn begin_stepped(&self, request: GenerationRequest, request_id: RequestId, original_index: u32) -> Result<SteppedRequest> {
-        self.claim_session()?;
-        SteppedRequest::begin(self.stepper.clone(), Arc::clone(&self.intents), Arc::clone(&self.active), request, request_id, original_index)
+        let claim = self.claim_session()?;
+        let session = SteppedRequest::begin(self.stepper.clone(), Arc::clone(&self.intents), Arc::clone(&self.active), request, request_id, original_index);
+        // The session owns the flag now (on an error `begin` has cleared it already).
+        claim.keep();
+        session
     }
 
-    pub(crate) fn claim_session(&self) -> Result<()> {
+    /// Mark the coordinator busy. The claim ends when dropped, a panic unwinding through the caller included
+    /// (the bindings turn panics into errors, and the coordinator must stay usable), unless `keep` hands it on.
+    pub(crate) fn claim_session(&self) -> Result<SessionClaim<'_>> {
         if self.active.compare_exchange(false, true, Ordering::SeqCst, Ordering::SeqCst).is_err() {
             return protocol("a stepped session or batch is already running on this coordinator; finish() or abort() it first");
         }
-        Ok(())
+        Ok(SessionClaim(Some(&self.active)))
     }
 
     pub(crate) fn release_session(&self) {
@@ -444,10 +469,8 @@ impl RuntimeCoordinator {
             .enumerate()
             .map(|(i, r)| self.intents.build(r, i as RequestId + 1, i as u32))
             .collect::<Result<Vec<_>>>()?;
-        self.claim_session()?;
-        let result = run_batch(&self.stepper, intents, self.info.max_prefill_tokens);
-        self.release_session();
-        result
+        let _claim = self.claim_session()?;
+        run_batch(&self.stepper, intents, self.info.max_prefill_tokens)
     }
 
     /// Prefill a system prompt and pin its full KV blocks in the context cache. Returns the cached tokens.
@@ -459,10 +482,8 @@ impl RuntimeCoordinator {
             }
             other => self.intents.prompt_ids(&GenerationRequest::new(other, Default::default()))?,
         };
-        self.claim_session()?;
-        let result = self.stepper.save_pinned_prefix(&ids);
-        self.release_session();
-        result
+        let _claim = self.claim_session()?;
+        self.stepper.save_pinned_prefix(&ids)
     }
 
     /// Capture decode CUDA graphs per batch-size bucket; false where the backend has none (the CPU).
@@ -531,6 +552,24 @@ impl RuntimeCoordinator {
     }
 }
 
+/// The coordinator's busy flag while set by one call (see `RuntimeCoordinator::claim_session`).
+pub(crate) struct SessionClaim<'a>(Option<&'a AtomicBool>);
+
+impl SessionClaim<'_> {
+    /// Leave the flag set: a stepped session or the engine owns it now and clears it when it closes.
+    pub(crate) fn keep(mut self) {
+        self.0 = None;
+    }
+}
+
+impl Drop for SessionClaim<'_> {
+    fn drop(&mut self) {
+        if let Some(active) = self.0 {
+            active.store(false, Ordering::SeqCst);
+        }
+    }
+}
+
 /// FCFS: seat the queue's heads as one prefill group while capacity and the token budget allow, and prefill
 /// them (with a decode step of the running residents, when any run: `step_seated_group`), over several steps when
 /// a prompt is longer than the budget; otherwise decode every resident.
@@ -564,8 +603,11 @@ fn run_batch(stepper: &StepperHandle, intents: Vec<AdmissionIntent>, max_prefill
             }
             if let Some(why) = group.head_refused {
                 if stepper.residents()?.is_empty() {
-                    let head = waiting.front().expect("a refused head stays queued");
-                    return Err(crate::Error::Internal(format!("request {} cannot be admitted into an idle runtime: {why}", head.request_id)));
+                    // Nothing running will free anything: this request cannot run, the others still can.
+                    let head = waiting.pop_front().expect("a refused head stays queued");
+                    let why = format!("cannot be admitted into an idle runtime: {why}");
+                    responses[head.original_index as usize] = Some(head.unstarted_response(FinishReason::Error, Some(why)));
+                    continue;
                 }
             }
         }

@@ -62,7 +62,7 @@ pub struct RequestEngine {
 impl RequestEngine {
     pub fn new(coordinator: RuntimeCoordinator) -> Result<Self> {
         // The engine drives the stepper for its whole life; no stepped session may run beside it.
-        coordinator.claim_session()?;
+        coordinator.claim_session()?.keep();
         // Decode from CUDA graphs, as a serving engine should (a no-op on the CPU; a failed capture decodes
         // eagerly with a warning).
         coordinator.capture_decoding_cuda_graph()?;

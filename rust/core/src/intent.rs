@@ -23,11 +23,26 @@ impl IntentBuilder {
             return invalid("request_id must be non-zero (zero is reserved for 'no request')");
         }
         request.sampling.validate()?;
+        if let Some(name) = &request.lora_name {
+            return invalid(format!(
+                "lora_name {name:?}: this runtime serves no LoRA adapters (none can be loaded); leave lora_name unset"
+            ));
+        }
         self.check_token_ids("logit_bias", request.sampling.logit_bias.iter().map(|(t, _)| *t))?;
         self.check_token_ids("stop_token_ids", request.sampling.stop_token_ids.iter().copied())?;
         let prompt_ids = self.prompt_ids(&request)?;
         self.check_lengths(prompt_ids.len(), request.sampling.max_tokens)?;
         Ok(AdmissionIntent { request_id, original_index, request, prompt_ids })
+    }
+
+    /// Check an intent built elsewhere (another coordinator's session may have built it) against this model:
+    /// its token ids and lengths.
+    pub fn check_intent(&self, intent: &AdmissionIntent) -> Result<()> {
+        let sampling = &intent.request.sampling;
+        self.check_token_ids("prompt token", intent.prompt_ids.iter().copied())?;
+        self.check_token_ids("logit_bias", sampling.logit_bias.iter().map(|(t, _)| *t))?;
+        self.check_token_ids("stop_token_ids", sampling.stop_token_ids.iter().copied())?;
+        self.check_lengths(intent.prompt_ids.len(), sampling.max_tokens)
     }
 
     /// The prompt's token ids as the model will see them.
@@ -63,8 +78,8 @@ impl IntentBuilder {
 
     /// Whether the whole generate budget (prompt + max_tokens, in whole KV blocks) fits the KV cache at all.
     pub fn check_fits_kv_cache(&self, intent: &AdmissionIntent, block_size: usize) -> Result<()> {
-        let tokens = intent.prompt_ids.len() + intent.request.sampling.max_tokens;
-        if tokens.div_ceil(block_size) * block_size > self.kv_capacity_tokens {
+        let tokens = intent.prompt_ids.len().saturating_add(intent.request.sampling.max_tokens);
+        if tokens.div_ceil(block_size).saturating_mul(block_size) > self.kv_capacity_tokens {
             return invalid(format!(
                 "prompt ({} tokens) + max_tokens ({}) exceeds the KV cache ({} tokens); lower max_tokens or raise kv_cache_tokens",
                 intent.prompt_ids.len(),
@@ -94,7 +109,7 @@ impl IntentBuilder {
                 self.kv_capacity_tokens
             ));
         }
-        if prompt_len + max_tokens > self.max_model_len {
+        if prompt_len.saturating_add(max_tokens) > self.max_model_len {
             return invalid(format!(
                 "prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceeds the context length {}; lower max_tokens",
                 self.max_model_len

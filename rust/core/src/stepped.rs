@@ -216,6 +216,7 @@ impl SteppedExecution for SteppedRequest {
     fn admit(&mut self, intent: AdmissionIntent) -> Result<AdmissionResult> {
         self.ensure_open()?;
         self.ensure_founder_reported()?;
+        self.intents.check_intent(&intent)?;
         self.stepper.admit(intent)
     }
 
@@ -243,6 +244,7 @@ impl SteppedExecution for SteppedRequest {
     fn admit_into_group(&mut self, intent: AdmissionIntent) -> Result<AdmissionResult> {
         self.ensure_open()?;
         self.ensure_founder_reported()?;
+        self.intents.check_intent(&intent)?;
         self.stepper.admit_into_group(intent)
     }
 

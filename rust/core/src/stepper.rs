@@ -138,6 +138,10 @@ impl RuntimeStepper {
         let sampling = &intent.request.sampling;
         let key = extra_key(intent.request.lora_name.as_deref(), intent.request.cache_salt.as_deref());
         if self.slots.free_count() == 0 {
+            // A request that can never fit is rejected even while every slot is taken, not asked to retry.
+            if let Some(why) = self.budget.never_fits(&intent.prompt_ids, sampling.max_tokens, key) {
+                return Ok(AdmissionResult::rejected(why));
+            }
             return Ok(AdmissionResult::no_capacity(format!(
                 "all {} resident slots are live; retry when a sequence finishes",
                 self.slots.capacity()
@@ -302,6 +306,18 @@ impl RuntimeStepper {
     /// only the pinned cache records remain.
     pub fn save_pinned_prefix(&mut self, prompt_ids: &[u32]) -> Result<usize> {
         self.refuse_if_seated("saving a system prompt")?;
+        if !self.budget.cache.config().enabled {
+            return crate::error::invalid("the context cache is disabled (context_cache.enabled=False), so no system prompt can be saved");
+        }
+        if prompt_ids.len() >= self.config.max_model_len {
+            return crate::error::invalid(format!(
+                "the system prompt has {} tokens, but a request holds at most {} (max_model_len {} less one token to \
+                 generate); shorten it or raise max_model_len",
+                prompt_ids.len(),
+                self.config.max_model_len - 1,
+                self.config.max_model_len
+            ));
+        }
         let bs = self.config.block_size;
         let full = prompt_ids.len() / bs * bs;
         if full == 0 {
@@ -314,8 +330,21 @@ impl RuntimeStepper {
         let key = extra_key(None, None);
         let mut lease = match self.budget.reserve(tokens, 0, key) {
             Reservation::Granted(lease) => lease,
-            Reservation::NoCapacity(why) | Reservation::Rejected(why) => return protocol(format!("cannot cache the system prompt now: {why}")),
+            Reservation::NoCapacity(why) => return protocol(format!("cannot cache the system prompt now: {why}")),
+            Reservation::Rejected(why) => return crate::error::invalid(format!("the system prompt cannot be cached: {why}")),
         };
+        // Pinned blocks stay for good: leave at least one block for requests.
+        let newly_pinned = lease.blocks.iter().filter(|b| !self.budget.cache.is_pinned(**b)).count();
+        if self.budget.cache.pinned_count() + newly_pinned >= self.budget.pool.total() {
+            self.budget.release(&lease.blocks);
+            return crate::error::invalid(format!(
+                "pinning this system prompt's {} KV blocks would leave no block of the {} for requests ({} pinned \
+                 already); raise kv_cache_tokens",
+                lease.blocks.len(),
+                self.budget.pool.total(),
+                self.budget.cache.pinned_count()
+            ));
+        }
         let mut ran = Ok(Vec::new());
         let mut past = lease.cached_tokens;
         while past < full && ran.is_ok() {
@@ -331,10 +360,16 @@ impl RuntimeStepper {
             past = end;
         }
         if ran.is_ok() {
+            // Cached blocks it hit (an earlier request's) are pinned as well as the ones computed here.
+            for &hash in &lease.hashes {
+                self.budget.cache.pin_existing(hash);
+            }
             self.budget.publish_computed(tokens, &[], &mut lease, full, key, true);
         }
+        // What the cache kept: max_records may have refused some of the blocks.
+        let pinned = self.budget.pinned_prefix_tokens(&lease);
         self.budget.release(&lease.blocks);
-        ran.map(|_| full)
+        ran.map(|_| pinned)
     }
 
     /// Latch a cancel: the next step that names the sequence reports it finished without computing it.

@@ -62,21 +62,46 @@ impl BlockBudget {
         hits
     }
 
-    /// Reserve the whole generate budget, or change nothing.
-    pub fn reserve(&mut self, prompt: &[u32], max_new_tokens: usize, extra: u64) -> Reservation {
-        let total_tokens = prompt.len() + max_new_tokens;
-        let needed = self.blocks_for(total_tokens);
+    /// Why a request can never be seated (more blocks than the cache holds beside its pinned blocks), if so.
+    pub fn never_fits(&self, prompt: &[u32], max_new_tokens: usize, extra: u64) -> Option<String> {
+        self.rejection(prompt, max_new_tokens, &self.find_prefix(prompt, extra))
+    }
+
+    fn rejection(&self, prompt: &[u32], max_new_tokens: usize, hits: &[(u32, u64)]) -> Option<String> {
+        let needed = self.blocks_for(prompt.len().saturating_add(max_new_tokens));
+        let what = format!(
+            "prompt ({} tokens) + max_tokens ({max_new_tokens}) needs {needed} KV blocks of {} tokens",
+            prompt.len(),
+            self.block_size()
+        );
+        let advice = "lower max_tokens, shorten the prompt or raise kv_cache_tokens";
         if needed > self.pool.total() {
-            return Reservation::Rejected(format!(
-                "prompt ({} tokens) + max_tokens ({max_new_tokens}) needs {needed} KV blocks of {} tokens, but the \
-                 KV cache holds only {} blocks ({} tokens); lower max_tokens, shorten the prompt or raise kv_cache_tokens",
-                prompt.len(),
-                self.block_size(),
+            return Some(format!(
+                "{what}, but the KV cache holds only {} blocks ({} tokens); {advice}",
                 self.pool.total(),
                 self.capacity_tokens()
             ));
         }
+        // Pinned blocks are never freed, so a request that cannot fit beside them never will (its own pinned
+        // prefix hits apart, which it shares).
+        let pinned = self.cache.pinned_count();
+        let pinned_hits = hits.iter().filter(|(b, _)| self.cache.is_pinned(*b)).count();
+        (needed - pinned_hits > self.pool.total() - pinned).then(|| {
+            format!(
+                "{what}, but {pinned} of the KV cache's {} blocks are pinned by saved system prompts, leaving {}; {advice}",
+                self.pool.total(),
+                self.pool.total() - pinned + pinned_hits
+            )
+        })
+    }
+
+    /// Reserve the whole generate budget, or change nothing.
+    pub fn reserve(&mut self, prompt: &[u32], max_new_tokens: usize, extra: u64) -> Reservation {
         let hits = self.find_prefix(prompt, extra);
+        if let Some(why) = self.rejection(prompt, max_new_tokens, &hits) {
+            return Reservation::Rejected(why);
+        }
+        let needed = self.blocks_for(prompt.len().saturating_add(max_new_tokens));
         let hits_evictable = hits.iter().filter(|(b, _)| self.cache.is_evictable(*b)).count();
         let available = self.pool.free_count() + self.cache.evictable_count() - hits_evictable;
         let fresh = needed - hits.len();
@@ -143,6 +168,11 @@ impl BlockBudget {
         published
     }
 
+    /// Tokens of the lease's leading full blocks that are pinned in the context cache now.
+    pub fn pinned_prefix_tokens(&self, lease: &Lease) -> usize {
+        lease.hashes.iter().take_while(|h| self.cache.is_pinned_hash(**h)).count() * self.block_size()
+    }
+
     pub fn counts(&self) -> PoolCounts {
         PoolCounts {
             total_blocks: self.pool.total(),
@@ -194,6 +224,34 @@ mod tests {
         let before = b.counts();
         assert!(matches!(b.reserve(&[2; 8], 4, 0), Reservation::NoCapacity(_)));
         assert_eq!(b.counts(), before);
+    }
+
+    #[test]
+    fn a_max_tokens_near_the_integer_limit_is_rejected_not_wrapped() {
+        let mut b = budget(4);
+        assert!(matches!(b.reserve(&[1; 5], usize::MAX, 0), Reservation::Rejected(_)));
+        assert!(matches!(b.reserve(&[1; 20], usize::MAX - 16, 0), Reservation::Rejected(_)));
+        assert_eq!(b.counts().free_blocks, 4);
+    }
+
+    #[test]
+    fn pinned_blocks_count_against_what_can_ever_fit() {
+        let mut b = budget(6);
+        let system: Vec<u32> = (0..16).collect();
+        let mut lease = granted(b.reserve(&system, 0, 0));
+        b.publish_computed(&system, &[], &mut lease, 16, 0, true);
+        b.release(&lease.blocks);
+        assert_eq!(b.counts().pinned_blocks, 4);
+        assert_eq!(b.pinned_prefix_tokens(&lease), 16);
+        // Three blocks never fit beside four pinned ones of six: rejected, not asked to retry.
+        let why = b.never_fits(&[9; 9], 3, 0).expect("cannot fit beside the pinned blocks");
+        assert!(why.contains("4 of the KV cache's 6 blocks are pinned"), "{why}");
+        assert!(matches!(b.reserve(&[9; 9], 3, 0), Reservation::Rejected(_)));
+        // Extending the pinned prompt shares its four blocks: six in all fit.
+        let extended: Vec<u32> = (0..20).collect();
+        assert!(b.never_fits(&extended, 4, 0).is_none());
+        let grant = granted(b.reserve(&extended, 4, 0));
+        assert_eq!(grant.cached_tokens, 16);
     }
 
     #[test]

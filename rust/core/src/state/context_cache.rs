@@ -77,6 +77,8 @@ pub struct ContextCache {
     lru: BTreeMap<u64, u32>,
     lru_tick_of: HashMap<u32, u64>,
     tick: u64,
+    /// Pinned records (never evicted or dropped), counted so that every admission can ask cheaply.
+    pinned: usize,
 }
 
 impl ContextCache {
@@ -88,6 +90,7 @@ impl ContextCache {
             lru: BTreeMap::new(),
             lru_tick_of: HashMap::new(),
             tick: 0,
+            pinned: 0,
         }
     }
 
@@ -100,7 +103,15 @@ impl ContextCache {
     }
 
     pub fn pinned_count(&self) -> usize {
-        self.records.values().filter(|r| r.pinned).count()
+        self.pinned
+    }
+
+    pub fn is_pinned(&self, block: u32) -> bool {
+        self.records.get(&block).is_some_and(|r| r.pinned)
+    }
+
+    pub fn is_pinned_hash(&self, hash: u64) -> bool {
+        self.by_hash.get(&hash).is_some_and(|b| self.is_pinned(*b))
     }
 
     pub fn evictable_count(&self) -> usize {
@@ -142,6 +153,7 @@ impl ContextCache {
         }
         self.by_hash.insert(hash, block);
         self.records.insert(block, Record { hash, parent, tokens: tokens.to_vec(), pinned });
+        self.pinned += pinned as usize;
         pool.mark_cached(block);
         if pool.refcount(block) == 0 {
             self.on_unreferenced(block);
@@ -155,7 +167,9 @@ impl ContextCache {
         if let Some(t) = self.lru_tick_of.remove(&block) {
             self.lru.remove(&t);
         }
-        self.records.get_mut(&block).expect("hash map and records agree").pinned = true;
+        let record = self.records.get_mut(&block).expect("hash map and records agree");
+        self.pinned += !record.pinned as usize;
+        record.pinned = true;
         true
     }
 
