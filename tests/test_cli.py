@@ -87,6 +87,24 @@ def test_chat_one_shot_through_stdin() -> None:
     assert "conversation cleared" in out.stderr
 
 
+def test_chat_keeps_the_session_after_a_message_too_long_for_the_context() -> None:
+    out = stepllm_cli("chat", "--model", model_dir("llama"), "--device", "cpu", "--max-tokens", "5", "--temperature", "0",
+                      stdin="word " * 300 + "\nHello\n")
+    assert out.returncode == 0, out.stderr
+    assert "the message was not added" in out.stderr
+    assert len(out.stdout.splitlines()) == 1  # the answer to Hello
+
+
+def test_max_batch_size_given_on_the_command_line_is_honoured() -> None:
+    from stepllm import cli
+
+    for given, needed, expected in [("3", 1, 3), ("3", 8, 8), (None, 1, 1)]:
+        argv = ["generate", "hi", "--model", model_dir("llama"), "--device", "cpu"]
+        args = cli.build_parser().parse_args(argv + (["--max-batch-size", given] if given else []))
+        with cli.open_engine(args, max_batch_size=needed) as engine:
+            assert engine.info()["max_batch_size"] == expected
+
+
 def test_run_edge_llm_json(tmp_path: Path) -> None:
     spec = {
         "batch_size": 2, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "max_generate_length": 6,
@@ -118,7 +136,10 @@ def test_run_edge_llm_json(tmp_path: Path) -> None:
         ("{not json", "not valid JSON"),
         ('{"requests": []}', "non-empty list"),
         ('{"requests": [{"messages": [{"role": "user"}]}]}', "string 'role' and 'content'"),
-        ('{"max_generate_length": "ten", "requests": [{"messages": [{"role": "user", "content": "x"}]}]}', "must be a number"),
+        ('{"max_generate_length": "ten", "requests": [{"messages": [{"role": "user", "content": "x"}]}]}', "must be a finite number"),
+        ('{"max_generate_length": 1e400, "requests": [{"messages": [{"role": "user", "content": "x"}]}]}', "must be a finite number"),
+        ('{"batch_size": 0, "requests": [{"messages": [{"role": "user", "content": "x"}]}]}', "'batch_size' must be at least 1"),
+        ('{"add_generation_prompt": false, "requests": [{"messages": [{"role": "user", "content": "x"}]}]}', "'add_generation_prompt': false is not supported"),
     ],
 )
 def test_run_rejects_malformed_input_clearly(tmp_path: Path, content: str, needle: str) -> None:

@@ -132,11 +132,12 @@ def sampling_from(args: argparse.Namespace) -> _core.SamplingParams:
 
 
 def open_engine(args: argparse.Namespace, max_batch_size: int | None = None) -> Engine:
+    """`max_batch_size`: the fewest slots the command needs; --max-batch-size may ask for more."""
     model = resolve_model(args.model)
     config = _core.Config(
         model=model,
         device=args.device,
-        max_batch_size=max_batch_size or args.max_batch_size,
+        max_batch_size=max((n for n in (max_batch_size, args.max_batch_size) if n is not None), default=None),
         kv_cache_tokens=args.kv_cache_tokens,
         gpu_memory_utilization=args.gpu_memory_utilization,
         dtype=args.dtype,
@@ -222,9 +223,13 @@ def cmd_chat(args: argparse.Namespace) -> int:
                 history = fresh_history(args.system)
                 print("(conversation cleared)", file=sys.stderr)
                 continue
+            request = _core.GenerationRequest(prompt=[*history, {"role": "user", "content": line}], sampling=sampling)
+            try:
+                response, ttft, total = stream_to_stdout(engine, request)
+            except _core.InvalidRequestError as e:  # e.g. the conversation outgrew the context: keep the session
+                print(f"stepllm: {e} (the message was not added; /reset starts over)", file=sys.stderr)
+                continue
             history.append({"role": "user", "content": line})
-            request = _core.GenerationRequest(prompt=list(history), sampling=sampling)
-            response, ttft, total = stream_to_stdout(engine, request)
             sys.stdout.write("\n")
             print_stats(response, ttft, total)
             history.append({"role": "assistant", "content": response.output_text})

@@ -11,6 +11,7 @@ only names the groups in the output and sets how many run side by side.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -57,17 +58,23 @@ def parse_input(data: dict[str, Any], where: str = "input") -> EdgeInput:
     requests = data.get("requests")
     if not isinstance(requests, list) or not requests:
         raise EdgeInputError(f"{where}: 'requests' must be a non-empty list")
-    return EdgeInput(
-        batch_size=_number(data, "batch_size", int, 1, where),
-        temperature=_number(data, "temperature", float, 1.0, where),
-        top_p=_number(data, "top_p", float, 1.0, where),
-        top_k=_number(data, "top_k", int, 0, where),
-        max_generate_length=_number(data, "max_generate_length", int, 256, where),
+    spec = EdgeInput(
+        batch_size=_number(data, "batch_size", int, 1, where, least=1),
+        temperature=_number(data, "temperature", float, 1.0, where, least=0),
+        top_p=_number(data, "top_p", float, 1.0, where, least=0),
+        top_k=_number(data, "top_k", int, 0, where, least=0),
+        max_generate_length=_number(data, "max_generate_length", int, 256, where, least=1),
         apply_chat_template=bool(data.get("apply_chat_template", True)),
         add_generation_prompt=bool(data.get("add_generation_prompt", True)),
         seed=_optional_int(data, "sampling_seed", where),
         requests=[_parse_request(r, f"{where}: requests[{i}]") for i, r in enumerate(requests)],
     )
+    if spec.apply_chat_template and not spec.add_generation_prompt:
+        raise EdgeInputError(
+            f"{where}: 'add_generation_prompt': false is not supported (a chat prompt always ends with the assistant's "
+            "header); leave it true, or set 'apply_chat_template': false to pass the messages as raw text"
+        )
+    return spec
 
 
 def _parse_request(r: Any, where: str) -> EdgeRequest:
@@ -86,12 +93,14 @@ def _parse_request(r: Any, where: str) -> EdgeRequest:
     return EdgeRequest(messages=messages, stop=stop, seed=_optional_int(r, "sampling_seed", where))
 
 
-def _number(data: dict[str, Any], key: str, kind: type, default: Any, where: str) -> Any:
+def _number(data: dict[str, Any], key: str, kind: type, default: Any, where: str, least: float | None = None) -> Any:
     value = data.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise EdgeInputError(f"{where}: '{key}' must be a number, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise EdgeInputError(f"{where}: '{key}' must be a finite number, got {value!r}")
     if kind is int and value != int(value):
         raise EdgeInputError(f"{where}: '{key}' must be an integer, got {value!r}")
+    if least is not None and value < least:
+        raise EdgeInputError(f"{where}: '{key}' must be at least {least}, got {value!r}")
     return kind(value)
 
 
