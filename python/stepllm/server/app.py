@@ -113,7 +113,7 @@ class ServerState:
 
     def submit(self, endpoint: str, req: AnyRequest, arrived: float) -> list[GenerationHandle]:
         """Queue every choice of the request (InvalidRequestError -> 400, with none of its choices left queued). A
-        chat request without a limit gets the default, halved until prompt + limit fits the context."""
+        chat request without a limit gets the default, clipped to what its prompt leaves of the context."""
         on_end = self._ended(endpoint)
         requested = req.requested_max_tokens()
         if requested is not None or isinstance(req, CompletionRequest):
@@ -126,15 +126,12 @@ class ServerState:
                     code="invalid_value",
                 )
             return self._start_all(req.generation_requests(limit), arrived, on_end)
-        # Half the KV cache at most, so that prompt + limit fits it unless the prompt alone is huge.
-        limit = min(self.chat_default_max_tokens, int(self.info["max_model_len"]) - 1, int(self.info["kv_cache_tokens"]) // 2)
-        while True:
-            try:
-                return self._start_all(req.generation_requests(max(limit, 1)), arrived, on_end)
-            except InvalidRequestError:
-                if limit <= 1:
-                    raise
-                limit //= 2
+        # As vLLM: what the context leaves after the prompt (a prompt that leaves nothing is refused with the
+        # engine's reason).
+        first = req.generation_requests(1)[0]
+        context = min(int(self.info["max_model_len"]), int(self.info["kv_cache_tokens"]))
+        limit = min(self.chat_default_max_tokens, context - self.engine.count_prompt_tokens(first))
+        return self._start_all(req.generation_requests(max(limit, 1)), arrived, on_end)
 
     def _start_all(
         self, requests: list[GenerationRequest], arrived: float, on_end: Callable[[GenerationHandle], None]

@@ -158,6 +158,14 @@ class CompletionRequest(_Sampling):
                 raise bad_request("prompt is empty: give at least one character or token", param="prompt")
             if self.echo and not isinstance(one, str):
                 raise bad_request("echo is supported for text prompts only", param="echo")
+        if self.echo and self.logprobs is not None:
+            # OpenAI's echo with logprobs scores the prompt's tokens too; giving the generated tokens' alone would
+            # be silently wrong for a caller that scores prompts (lm-eval's loglikelihood).
+            raise bad_request(
+                "echo with logprobs would need the prompt tokens' log-probabilities, which this server does not "
+                "compute; drop echo or logprobs",
+                param="echo",
+            )
         return batch
 
     def prompt_count(self) -> int:
@@ -187,6 +195,19 @@ class ChatMessage(_Strict):
     content: str | list[TextPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None
+    # Fields of an assistant message as this server (and OpenAI) returns it, so that a client can send a reply
+    # back in the next turn; only their empty values are accepted, since this server makes no tool calls.
+    refusal: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    function_call: dict[str, Any] | None = None
+    audio: dict[str, Any] | None = None
+    annotations: list[dict[str, Any]] | None = None
+
+    @model_validator(mode="after")
+    def _no_tool_calls(self) -> ChatMessage:
+        if self.tool_calls or self.function_call or self.audio:
+            raise ValueError("messages with tool calls, function calls or audio are not supported")
+        return self
 
     def text(self) -> str:
         if self.content is None:
