@@ -287,3 +287,13 @@ def test_batched_prefill_gives_transformers_greedy_ids_whatever_the_token_budget
     for row, r in zip(rows, results):
         assert r.output_ids == row["greedy_ids"]
     assert stats["finished"] == {"length": len(rows)}
+
+
+def test_stats_count_a_request_done_once_its_wait_returns() -> None:
+    """The engine updates its counts before it tells the caller: stats() right after wait() never lists the
+    finished request as running (it did, at times, when the counts were published after the response)."""
+    with stepllm.Engine(config(max_batch_size=2)) as engine:
+        for i in range(100):
+            engine.submit(stepllm.GenerationRequest([5 + i % 7, 6], greedy(1))).wait()
+            stats = engine.stats()
+            assert stats["running"] == 0 and stats["waiting"] == 0, (i, stats)

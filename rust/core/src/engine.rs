@@ -269,6 +269,7 @@ impl Actor {
             s.steps += 1;
             s.generated_tokens += generated;
         });
+        let mut ended = Vec::new();
         for (_, batch) in step.finished {
             let id = batch.identity.request_id;
             let Some(run) = self.forget(id) else { continue };
@@ -284,7 +285,12 @@ impl Actor {
                 let _ = run.events.send(EngineEvent::Delta(tail));
             }
             self.count_finish(response.finish_reason);
-            let _ = run.events.send(EngineEvent::Finished(response));
+            ended.push((run.events, response));
+        }
+        // Counted before the callers hear of it: stats() right after wait() must not list the request as running.
+        self.publish_stats();
+        for (events, response) in ended {
+            let _ = events.send(EngineEvent::Finished(response));
         }
         for id in gone {
             self.cancel(id);
