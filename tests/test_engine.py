@@ -297,3 +297,20 @@ def test_stats_count_a_request_done_once_its_wait_returns() -> None:
             engine.submit(stepllm.GenerationRequest([5 + i % 7, 6], greedy(1))).wait()
             stats = engine.stats()
             assert stats["running"] == 0 and stats["waiting"] == 0, (i, stats)
+
+
+@pytest.mark.parametrize("stop", [None, ["zq"]])
+def test_stream_chunks_carry_the_logprobs_of_their_own_tokens(stop: list[str] | None) -> None:
+    """Each chunk's logprobs are one per token, for its tokens (also while a stop-string prefix holds its text
+    back); together they are the response's. Without logprobs asked, chunks carry none."""
+    with stepllm.Engine(config(max_batch_size=2)) as engine:
+        sampling = stepllm.SamplingParams(max_tokens=12, temperature=0.0, logprobs=2, stop=stop, ignore_eos=True)
+        stream = engine.submit(stepllm.GenerationRequest([5, 6, 7], sampling))
+        chunks = list(stream)
+        response = stream.wait()
+        assert len(chunks) > 1
+        for c in chunks:
+            assert c.logprobs is not None and [lp.token_id for lp in c.logprobs] == c.token_ids
+        assert [lp for c in chunks for lp in (c.logprobs or [])] == response.logprobs
+        plain = engine.submit(stepllm.GenerationRequest([5, 6, 7], greedy(4)))
+        assert all(c.logprobs is None for c in plain)

@@ -183,10 +183,18 @@ def test_sampling_fields_are_honoured(server: BackgroundServer, llm: stepllm.LLM
     assert content is not None and len(content) == 3 and all(len(t.top_logprobs) == 3 for t in content)
     want_ids = llm.chat(CHAT, greedy(3, logprobs=3))[0].output_ids
     assert [t.token for t in content] == [llm.engine.decode_token(i) for i in want_ids]
-    # Streaming with logprobs: the logprobs of all tokens arrive before the finish chunk.
+    # Streaming with logprobs: each chunk carries its own tokens' logprobs (they came in one chunk after the text).
     chunks = list(client.chat.completions.create(model="qwen2", messages=CHAT, max_tokens=3, temperature=0, logprobs=True, stream=True))
     streamed = [t.token for ch in chunks if ch.choices and ch.choices[0].logprobs for t in (ch.choices[0].logprobs.content or [])]
     assert streamed == [llm.engine.decode_token(i) for i in want_ids]
+    with_logprobs = [k for k, ch in enumerate(chunks) if ch.choices and ch.choices[0].logprobs]
+    with_text = [k for k, ch in enumerate(chunks) if ch.choices and ch.choices[0].delta.content]
+    assert with_logprobs[0] <= with_text[-1], (with_logprobs, with_text)
+    # The legacy shape's text_offset counts from the start of the text in a stream as in a full response.
+    whole = client.completions.create(model="qwen2", prompt="Hello", max_tokens=5, temperature=0, logprobs=1)
+    parts = list(client.completions.create(model="qwen2", prompt="Hello", max_tokens=5, temperature=0, logprobs=1, stream=True))
+    offsets = [o for p in parts if p.choices and p.choices[0].logprobs for o in (p.choices[0].logprobs.text_offset or [])]
+    assert whole.choices[0].logprobs is not None and offsets == whole.choices[0].logprobs.text_offset
 
 
 def test_chat_logprobs_carry_the_bytes_of_tokens_that_split_a_character(server: BackgroundServer, llm: stepllm.LLM) -> None:

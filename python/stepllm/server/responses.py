@@ -44,6 +44,8 @@ class Context:
     include_usage: bool = False
     samples: int = 1
     echoes: Sequence[str] = ()  # each prompt's text, when the completion echoes its prompts
+    # Where each streamed completion choice's next token starts in its text (logprobs' text_offset).
+    stream_offsets: dict[int, int] = field(default_factory=dict)
 
     def echo(self, index: int) -> str:
         """What choice `index` repeats before its completion: its prompt, with echo, else nothing."""
@@ -112,7 +114,10 @@ class Context:
             choice["logprobs"] = self.chat_logprobs(logprobs)
         else:
             choice["text"] = text or ""
-            choice["logprobs"] = self.completion_logprobs(logprobs)
+            start = self.stream_offsets.get(index, len(self.echo(index)))
+            choice["logprobs"] = self.completion_logprobs(logprobs, offset=start)
+            if choice["logprobs"] is not None:
+                self.stream_offsets[index] = start + sum(len(t) for t in choice["logprobs"]["tokens"])
         choice["finish_reason"] = finish_reason(finish) if finish is not None else None
         if finish is not None:
             choice["stop_reason"] = stop_reason(finish)

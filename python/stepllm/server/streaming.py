@@ -40,9 +40,12 @@ async def stream_events(handles: Sequence[GenerationHandle], ctx: Context, want_
         while running:
             index, event = held.popleft() if held else await merged.get()
             if isinstance(event, StreamChunk):
-                text = event.text + _text_already_here(index, merged, held)
-                if text:
-                    yield ctx.chunk(text, index=index)
+                chunks = [event, *_chunks_already_here(index, merged, held)]
+                text = "".join(c.text for c in chunks)
+                # Each chunk's logprobs are its tokens' (a token whose text is held back still has them).
+                logprobs = [lp for c in chunks for lp in (c.logprobs or [])] if want_logprobs else []
+                if text or logprobs:
+                    yield ctx.chunk(text, index=index, logprobs=logprobs or None)
                 continue
             if isinstance(event, BaseException):
                 yield sse(error_body(f"the engine failed this request: {event}", "server_error", code="engine_error"))
@@ -55,9 +58,6 @@ async def stream_events(handles: Sequence[GenerationHandle], ctx: Context, want_
                 yield sse(error_body(engine_error_message(response), "server_error", code="engine_error"))
                 yield DONE
                 return
-            if want_logprobs and response.logprobs:
-                # The core streams text without logprobs; they arrive with the final response, in one chunk.
-                yield ctx.chunk("", index=index, logprobs=response.logprobs)
             yield ctx.chunk(None if ctx.kind == "chat" else "", index=index, finish=response)
         if ctx.include_usage:
             yield ctx.usage_chunk([_response_of(h) for h in handles])
@@ -69,18 +69,18 @@ async def stream_events(handles: Sequence[GenerationHandle], ctx: Context, want_
             handle.cancel()
 
 
-def _text_already_here(index: int, merged: asyncio.Queue[tuple[int, _Event]], held: deque[tuple[int, _Event]]) -> str:
-    """The text of the chunks of choice `index` that are already queued behind the one in hand, so they leave as
-    one event: a server that falls behind its streams (many clients, a fast GPU) then sends fewer, longer chunks
-    instead of falling further behind. Stops at the first event of another kind or choice, kept in `held`."""
-    parts: list[str] = []
+def _chunks_already_here(index: int, merged: asyncio.Queue[tuple[int, _Event]], held: deque[tuple[int, _Event]]) -> list[StreamChunk]:
+    """The chunks of choice `index` that are already queued behind the one in hand, so they leave as one event: a
+    server that falls behind its streams (many clients, a fast GPU) then sends fewer, longer chunks instead of falling
+    further behind. Stops at the first event of another kind or choice, kept in `held`."""
+    chunks: list[StreamChunk] = []
     while not held and not merged.empty():
         item = merged.get_nowait()
         if item[0] == index and isinstance(item[1], StreamChunk):
-            parts.append(item[1].text)
+            chunks.append(item[1])
         else:
             held.append(item)
-    return "".join(parts)
+    return chunks
 
 
 async def _follow(index: int, handle: GenerationHandle, merged: asyncio.Queue[tuple[int, _Event]]) -> None:

@@ -281,7 +281,8 @@ impl Actor {
                 s.cached_prompt_tokens += batch.cached_prompt_tokens as u64;
             });
             if !tail_tokens.is_empty() || !tail_text.is_empty() {
-                let tail = TokenDelta { token_ids: tail_tokens.into(), text: tail_text.into() };
+                let logprobs = response.logprobs.as_ref().map(|l| l[run.streamed_tokens.min(l.len())..].to_vec());
+                let tail = TokenDelta { token_ids: tail_tokens.into(), text: tail_text.into(), logprobs };
                 let _ = run.events.send(EngineEvent::Delta(tail));
             }
             self.count_finish(response.finish_reason);

@@ -84,11 +84,12 @@ impl SequenceRow {
             return None;
         }
         let token_ids = SmallVec::from_slice(&self.output_ids[self.watermark..]);
+        let logprobs = self.logprobs.as_ref().map(|l| l[self.watermark.min(l.len())..].to_vec());
         self.watermark = self.output_ids.len();
         // Copied out, not taken: the buffer keeps its capacity for the next tick's text.
         let text = CompactString::from(self.unreported_text.as_str());
         self.unreported_text.clear();
-        Some(TokenDelta { token_ids, text })
+        Some(TokenDelta { token_ids, text, logprobs })
     }
 
     /// The snapshot carried by a finished result.

@@ -29,13 +29,16 @@ pub struct ScheduledSequenceDescriptor {
     pub select_last_token_logits: bool,
 }
 
-/// Tokens past a surviving resident's watermark, committed by one step. Both fields keep short contents inline
-/// (up to 4 ids, up to 24 bytes of text), so a decode tick builds every row's delta without allocating.
-#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+/// Tokens past a surviving resident's watermark, committed by one step. The ids and the text keep short contents
+/// inline (up to 4 ids, up to 24 bytes of text), so a decode tick builds every row's delta without allocating
+/// unless the request asked for logprobs.
+#[derive(Debug, Clone, PartialEq)]
 pub struct TokenDelta {
     pub token_ids: SmallVec<[u32; 4]>,
     /// Text these tokens completed, safe to show: held-back stop-string prefixes are not in it yet.
     pub text: CompactString,
+    /// One per token when the request asked for logprobs, so a stream can carry them with its tokens.
+    pub logprobs: Option<Vec<TokenLogprob>>,
 }
 
 /// The snapshot of a sequence that reached a terminal state; everything `materialize` needs.

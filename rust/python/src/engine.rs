@@ -10,12 +10,13 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 use stepllm_core::engine::{EngineEvent, RequestEngine};
 use stepllm_core::request::GenerationResponse;
+use stepllm_core::step::TokenDelta;
 use stepllm_core::Error;
 
 use crate::config::PyConfig;
 use crate::coordinator::{counts_dict, info_dict, load_coordinator};
 use crate::errors::{compute, compute_ok, to_py};
-use crate::request::{PyGenerationRequest, PyGenerationResponse};
+use crate::request::{PyGenerationRequest, PyGenerationResponse, PyTokenLogprob};
 use crate::types::py_repr;
 
 /// How long one blocking wait lasts before Python gets a chance to handle signals (Ctrl-C).
@@ -164,36 +165,43 @@ impl PyEngine {
     }
 }
 
+/// A stream's piece: the engine's TokenDelta of one step.
 #[pyclass(
     module = "stepllm._core",
     name = "StreamChunk",
     frozen,
     eq,
-    hash,
     from_py_object
 )]
-#[derive(Debug, Clone, PartialEq, Eq, Hash)]
-pub struct PyStreamChunk {
-    token_ids: Vec<u32>,
-    text: String,
-}
+#[derive(Debug, Clone, PartialEq)]
+pub struct PyStreamChunk(pub TokenDelta);
 
 #[pymethods]
 impl PyStreamChunk {
     #[new]
-    fn new(token_ids: Vec<u32>, text: String) -> Self {
-        Self { token_ids, text }
+    #[pyo3(signature = (token_ids, text, logprobs=None))]
+    fn new(token_ids: Vec<u32>, text: String, logprobs: Option<Vec<PyTokenLogprob>>) -> Self {
+        let logprobs = logprobs.map(|l| l.into_iter().map(|lp| lp.0).collect());
+        Self(TokenDelta { token_ids: token_ids.into(), text: text.into(), logprobs })
     }
     #[getter]
     fn token_ids(&self) -> Vec<u32> {
-        self.token_ids.clone()
+        self.0.token_ids.to_vec()
     }
     #[getter]
     fn text(&self) -> &str {
-        &self.text
+        &self.0.text
+    }
+    /// One per token when the request asked for logprobs, else None.
+    #[getter]
+    fn logprobs(&self) -> Option<Vec<PyTokenLogprob>> {
+        PyTokenLogprob::list(&self.0.logprobs)
+    }
+    fn __hash__(&self) -> u64 {
+        crate::hashing::py_hash(&self.0)
     }
     fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
-        py_repr!(py, "StreamChunk", "token_ids" => self.token_ids.clone(), "text" => self.text.as_str())
+        py_repr!(py, "StreamChunk", "token_ids" => self.0.token_ids.to_vec(), "text" => self.0.text.as_str())
     }
 }
 
@@ -230,10 +238,7 @@ impl PyRequestStream {
                 .recv_timeout(timeout)
         })?;
         match event {
-            Ok(EngineEvent::Delta(delta)) => Ok(Polled::Chunk(PyStreamChunk {
-                token_ids: delta.token_ids.into_vec(),
-                text: delta.text.into_string(),
-            })),
+            Ok(EngineEvent::Delta(delta)) => Ok(Polled::Chunk(PyStreamChunk(delta))),
             Ok(EngineEvent::Finished(response)) => {
                 *self.response_slot() = Some(response);
                 self.done.store(true, Ordering::SeqCst);

@@ -9,7 +9,7 @@ use stepllm_core::request::{
     GenerationRequest, GenerationResponse, Message, Prompt, SamplingParams, TokenLogprob,
 };
 use stepllm_core::state::context_cache::ContextCacheConfig;
-use stepllm_core::step::{AdmissionIntent, BatchResult, StepResult};
+use stepllm_core::step::{AdmissionIntent, BatchResult, StepResult, TokenDelta};
 
 pub trait HashValue {
     fn hash_value(&self, h: &mut DefaultHasher);
@@ -45,7 +45,6 @@ via_hash!(
     stepllm_core::step::SequenceWork,
     stepllm_core::step::ScheduledSequenceDescriptor,
     stepllm_core::step::StepExecution,
-    stepllm_core::step::TokenDelta,
     stepllm_core::model::WeightDtype,
     stepllm_core::backend::KvCacheDtype
 );
@@ -103,6 +102,14 @@ macro_rules! fields {
 }
 
 fields!(TokenLogprob: token_id, logprob, top);
+
+impl HashValue for TokenDelta {
+    fn hash_value(&self, h: &mut DefaultHasher) {
+        self.token_ids.as_slice().hash(h);
+        self.text.as_str().hash(h);
+        self.logprobs.hash_value(h);
+    }
+}
 fields!(SamplingParams: max_tokens, temperature, top_k, top_p, min_p, seed, repetition_penalty, presence_penalty,
     frequency_penalty, logit_bias, logprobs, stop, stop_token_ids, ignore_eos, skip_special_tokens);
 fields!(GenerationRequest: prompt, sampling, add_special_tokens, cache_salt, lora_name);

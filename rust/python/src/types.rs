@@ -176,17 +176,26 @@ impl PyScheduledSequenceDescriptor {
     name = "TokenDelta",
     frozen,
     eq,
-    hash,
     from_py_object
 )]
-#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct PyTokenDelta(pub TokenDelta);
 
 #[pymethods]
 impl PyTokenDelta {
     #[new]
-    fn new(token_ids: Vec<u32>, text: String) -> Self {
-        Self(TokenDelta { token_ids: token_ids.into(), text: text.into() })
+    #[pyo3(signature = (token_ids, text, logprobs=None))]
+    fn new(token_ids: Vec<u32>, text: String, logprobs: Option<Vec<PyTokenLogprob>>) -> Self {
+        let logprobs = logprobs.map(|l| l.into_iter().map(|lp| lp.0).collect());
+        Self(TokenDelta { token_ids: token_ids.into(), text: text.into(), logprobs })
+    }
+    /// One per token when the request asked for logprobs, else None.
+    #[getter]
+    fn logprobs(&self) -> Option<Vec<PyTokenLogprob>> {
+        PyTokenLogprob::list(&self.0.logprobs)
+    }
+    fn __hash__(&self) -> u64 {
+        crate::hashing::py_hash(&self.0)
     }
     #[getter]
     fn token_ids(&self) -> Vec<u32> {
