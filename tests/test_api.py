@@ -223,6 +223,28 @@ def test_materialize_trims_at_stop_strings() -> None:
     stepped.finish()
 
 
+def test_the_token_that_ends_a_sequence_adds_no_text_and_held_back_text_is_kept() -> None:
+    """As vLLM: a stop_token_ids id (or an EOS shown with skip_special_tokens=False) ends the sequence with its id
+    in output_ids but none of its text; text held back as a possible stop-string prefix at that moment is kept."""
+    coord = coordinator()
+    prompt = [5, 6, 7]
+    (free,) = coord.dispatch_request([stepllm.GenerationRequest(prompt, greedy(12))])
+    ids = free.output_ids
+    k = next(i for i in range(2, len(ids)) if ids[i] not in ids[:i])  # a token that first appears at i
+    (first_k,) = coord.dispatch_request([stepllm.GenerationRequest(prompt, greedy(k))])
+    (stopped,) = coord.dispatch_request([stepllm.GenerationRequest(prompt, greedy(12, stop_token_ids=[ids[k]]))])
+    assert stopped.output_ids == ids[: k + 1] and stopped.finish_reason == stepllm.FinishReason.STOP
+    assert free.output_text.startswith(stopped.output_text)
+    # The stop token's text is not in the output: what the first k tokens made, and nothing of token k.
+    assert stopped.output_text == first_k.output_text
+    # A stop string that the text before the stop token begins to match holds that text back; it is kept.
+    tail = stopped.output_text[-1:]
+    if tail:
+        (held,) = coord.dispatch_request([stepllm.GenerationRequest(
+            prompt, greedy(12, stop_token_ids=[ids[k]], stop=[tail + "\u0001\u0002"]))])
+        assert held.output_text == stopped.output_text and held.finish_reason == stepllm.FinishReason.STOP
+
+
 def test_admission_intent_then_admit() -> None:
     coord = coordinator()
     stepped = coord.begin_stepped(stepllm.GenerationRequest("Hello", greedy(4)))
@@ -357,3 +379,16 @@ def test_stepped_session_usable_from_threads_and_releases_the_gil() -> None:
         assert not errors
         assert stepped.finish().finish_reason == stepllm.FinishReason.LENGTH
     assert coord.counts()["live_slots"] == 0
+
+
+def test_cancelling_a_founder_that_already_ended_is_a_no_op_until_it_is_reported() -> None:
+    """A founder whose founding prefill gave its only token is still listed in residents() until the prefill tick
+    reports it; cancelling it then changes nothing (it was refused as stale), and the tick reports it as it ended."""
+    coord = coordinator()
+    stepped = coord.begin_stepped(stepllm.GenerationRequest([5, 6, 7], greedy(1)))
+    assert stepped.residents() == [stepped.founder()]
+    stepped.cancel(stepped.founder())
+    (finished,) = stepped.prefill(stepllm.ImmutablePrefillBatch(target=stepped.founder())).finished
+    assert finished[1].finish_reason == stepllm.FinishReason.LENGTH and len(finished[1].output_ids) == 1
+    assert stepped.residents() == []
+    stepped.finish()

@@ -258,6 +258,7 @@ class SamplingParams:
     random seed per request], repetition_penalty [1.0], presence_penalty [0.0], frequency_penalty [0.0],
     logit_bias [none; token id -> bias in [-100, 100]], logprobs [None = none; up to 20 alternatives],
     stop [none; a str or a list of str], stop_token_ids [none], ignore_eos [False], skip_special_tokens [True].
+    The token that ends a request (an EOS, or one of stop_token_ids) stays in output_ids but adds no text.
     """
     def __new__(
         cls,

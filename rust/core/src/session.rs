@@ -95,9 +95,8 @@ impl SequenceRow {
     /// The snapshot carried by a finished result.
     pub fn into_batch_result(mut self) -> BatchResult {
         let ending = self.ending.take().or(self.latched.take()).expect("only ended rows are reported finished");
-        if ending.reason != FinishReason::Stop {
-            self.stream.flush();
-        }
+        // Releases text held back as a possible stop-string prefix (a stream stopped by a stop string keeps none).
+        self.stream.flush();
         BatchResult {
             identity: self.identity,
             prompt_ids: self.prompt_ids,

@@ -165,6 +165,14 @@ impl SteppedRequest {
     /// Latch a cancel for one resident; the next step naming it reports it finished.
     pub fn cancel(&mut self, r: ResidentRef) -> Result<()> {
         self.ensure_open()?;
+        // A founder that its founding prefill already ended is still listed as resident until the prefill tick
+        // reports it; there is nothing left to cancel, and that tick reports how it ended.
+        let ended_founder = r == self.founder
+            && matches!(self.founder_state, FounderState::Unreported(_))
+            && !self.stepper.residents()?.contains(&r);
+        if ended_founder {
+            return Ok(());
+        }
         self.stepper.cancel(r)
     }
 

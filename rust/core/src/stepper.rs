@@ -508,9 +508,16 @@ impl RuntimeStepper {
         if let (Some(list), Some(lp)) = (row.logprobs.as_mut(), s.logprob) {
             list.push(lp);
         }
-        let stopped = row.stream.push_to(&self.tokenizer, s.token_id, &mut row.unreported_text)?;
+        let ends_by_eos = is_eos && !row.sampling.ignore_eos;
+        // As vLLM: the token that ends the sequence (an EOS or a stop_token_ids id) keeps its id in the output but
+        // adds no text (skip_special_tokens=False showed "<|im_end|>", a stop id such as "!" showed itself).
+        let stopped = if ends_by_eos || row.sampling.stop_token_ids.contains(&s.token_id) {
+            None
+        } else {
+            row.stream.push_to(&self.tokenizer, s.token_id, &mut row.unreported_text)?
+        };
         let end = |reason, stop_reason| Some(Ending { reason, stop_reason, error: None });
-        row.ending = if is_eos && !row.sampling.ignore_eos {
+        row.ending = if ends_by_eos {
             end(FinishReason::Eos, None)
         } else if row.sampling.stop_token_ids.contains(&s.token_id) {
             end(FinishReason::Stop, Some(s.token_id.to_string()))
