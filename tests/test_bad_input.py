@@ -507,3 +507,11 @@ def test_llm_generate_refuses_a_dict_and_takes_integer_arrays_as_token_ids() -> 
         assert array.output_ids == expected.output_ids == ints.output_ids
     finally:
         llm.close()
+
+
+def test_a_model_path_under_home_is_expanded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    shutil.copytree(FIXTURES / "llama", tmp_path / "llama")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    coord = stepllm.RuntimeCoordinator(stepllm.Config(model="~/llama", device="cpu", kv_cache_tokens=256))
+    (out,) = coord.dispatch_request([stepllm.GenerationRequest([5, 6, 7], greedy(2))])
+    assert len(out.output_ids) == 2

@@ -69,8 +69,6 @@ class LLM:
     block_size, max_model_len, context_cache, parallel). model None means the default model."""
 
     def __init__(self, model: str | os.PathLike[str] | None = None, device: str = "auto", **config: Any) -> None:
-        if model is not None:
-            model = os.path.expanduser(model)  # "~/models/x.gguf", as the CLI takes it
         self.config = Config(model=model, device=device, **config)
         self.engine = Engine(self.config)
 

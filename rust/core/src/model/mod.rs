@@ -162,8 +162,17 @@ pub struct Checkpoint {
     pub source: String,
 }
 
+/// `~/rest` as `$HOME/rest`, as a shell would pass it: paths reach the runtime unexpanded from Python and configs.
+fn expand_home(path: &std::path::Path) -> std::path::PathBuf {
+    match (path.strip_prefix("~"), std::env::var_os("HOME")) {
+        (Ok(rest), Some(home)) => std::path::Path::new(&home).join(rest),
+        _ => path.to_path_buf(),
+    }
+}
+
 impl Checkpoint {
     pub fn open(path: &std::path::Path) -> Result<Checkpoint> {
+        let path = &expand_home(path);
         if !path.exists() {
             return crate::error::load_err(format!(
                 "model path {} does not exist; pass a Hugging Face model directory or a .gguf file",
