@@ -181,15 +181,28 @@ __device__ __forceinline__ void stash_kv_tile(const PrefillTiles<D, BK>& sm, int
     }
 }
 
-// A wide block's queries in shared memory (copied as bf16 by piece e = threadIdx.x + i * PF_THREADS) as f16
-// operands, each thread converting the pieces it copied: for an fp8 cache, whose products are on f16.
+// A wide block's queries: BQ rows of D values in shared memory, copied 8 at a time; this thread's piece i is
+// piece threadIdx.x + i * PF_THREADS in row-major order.
+template <int D, int BQ>
+struct QueryPieces {
+    static constexpr int ROW = D + PF_PAD, PER_THREAD = BQ * (D / 8) / PF_THREADS;
+    __device__ __forceinline__ static void cell(int i, int& row, int& col) {
+        const int e = threadIdx.x + i * PF_THREADS;
+        row = e / (D / 8);
+        col = (e % (D / 8)) * 8;
+    }
+};
+
+// A wide block's queries in shared memory as f16 operands, each thread converting the pieces it copied: for an
+// fp8 cache, whose products are on f16.
 template <int D, int BQ>
 __device__ __forceinline__ void queries_to_f16(bf16* s_q) {
-    constexpr int ROW = D + PF_PAD, PIECES = BQ * (D / 8) / PF_THREADS;
+    using Q = QueryPieces<D, BQ>;
 #pragma unroll
-    for (int i = 0; i < PIECES; i++) {
-        const int e = threadIdx.x + i * PF_THREADS, row = e / (D / 8), col = (e % (D / 8)) * 8;
-        uint4* piece = reinterpret_cast<uint4*>(s_q + row * ROW + col);
+    for (int i = 0; i < Q::PER_THREAD; i++) {
+        int row, col;
+        Q::cell(i, row, col);
+        uint4* piece = reinterpret_cast<uint4*>(s_q + row * Q::ROW + col);
         uint4 w = *piece;
         w.x = MmaOperand<fp8>::from_bf16x2(w.x);
         w.y = MmaOperand<fp8>::from_bf16x2(w.y);
@@ -277,10 +290,11 @@ __device__ void prefill_attention(const bf16* __restrict__ qkv, int width, const
     using Op = MmaOperand<KV>;  // bf16 operands, or f16 for an fp8 cache
     if constexpr (MT > 1) {
         // The block's queries into shared memory (zeros past the sequence), in the first tile's copy group.
-        constexpr int PIECES = BQ * (D / 8) / PF_THREADS;
+        using Q = QueryPieces<D, BQ>;
 #pragma unroll
-        for (int i = 0; i < PIECES; i++) {
-            const int e = threadIdx.x + i * PF_THREADS, row = e / (D / 8), col = (e % (D / 8)) * 8;
+        for (int i = 0; i < Q::PER_THREAD; i++) {
+            int row, col;
+            Q::cell(i, row, col);
             const bool valid = q0 + row < len;
             cp_async16(s_q + row * ROW + col, q_rows + (size_t)(start + (valid ? q0 + row : 0)) * width + col, valid ? 16 : 0);
         }

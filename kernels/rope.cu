@@ -110,11 +110,11 @@ __device__ void rope_write_kv(bf16* __restrict__ qkv, int width, const float* __
         return;
     }
     const auto angle = [&](int i) { return s_angle[i]; };
-    for (int h = warp; h < num_heads + 2 * num_kv_heads; h += ROPE_WARPS) {
+    for (int h = warp; h < heads; h += ROPE_WARPS) {
         const bool is_q = h < num_heads, is_v = h >= num_heads + num_kv_heads;
         const int kv_head = is_v ? h - num_heads - num_kv_heads : h - num_heads;
         const size_t cache_at = cache_offset(slot, kv_head, num_kv_heads, block_size, head_dim);
-        bf16* head = qkv + (size_t)t * width + (size_t)h * head_dim;
+        bf16* head = row + (size_t)h * head_dim;
         if (is_v) {
             Vec* dst = reinterpret_cast<Vec*>(v_cache + cache_at);
             for (int i = lane; i < head_dim / 8; i += 32) dst[i] = kv_pack8<KV>(__ldcg(reinterpret_cast<const uint4*>(head) + i));

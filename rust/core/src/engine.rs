@@ -289,7 +289,9 @@ impl Actor {
             ended.push((run.events, response));
         }
         // Counted before the callers hear of it: stats() right after wait() must not list the request as running.
-        self.publish_stats();
+        if !ended.is_empty() {
+            self.publish_stats();
+        }
         for (events, response) in ended {
             let _ = events.send(EngineEvent::Finished(response));
         }

@@ -4,7 +4,7 @@ use std::sync::Arc;
 
 use crate::error::{invalid, Result};
 use crate::ids::RequestId;
-use crate::request::{GenerationRequest, Prompt};
+use crate::request::{GenerationRequest, Prompt, SamplingParams};
 use crate::step::AdmissionIntent;
 use crate::text::chat_template::ChatTemplate;
 use crate::text::tokenizer::Tokenizer;
@@ -28,21 +28,21 @@ impl IntentBuilder {
                 "lora_name {name:?}: this runtime serves no LoRA adapters (none can be loaded); leave lora_name unset"
             ));
         }
-        self.check_token_ids("logit_bias", request.sampling.logit_bias.iter().map(|(t, _)| *t))?;
-        self.check_token_ids("stop_token_ids", request.sampling.stop_token_ids.iter().copied())?;
-        let prompt_ids = self.prompt_ids(&request)?;
-        self.check_lengths(prompt_ids.len(), request.sampling.max_tokens)?;
+        let prompt_ids = self.prompt_ids(&request)?;  // token ids checked here
+        self.check_sampling_ids_and_lengths(&request.sampling, prompt_ids.len())?;
         Ok(AdmissionIntent { request_id, original_index, request, prompt_ids })
     }
 
-    /// Check an intent built elsewhere (another coordinator's session may have built it) against this model:
-    /// its token ids and lengths.
+    /// An intent built elsewhere (another coordinator's session), checked against this model when it is admitted.
     pub fn check_intent(&self, intent: &AdmissionIntent) -> Result<()> {
-        let sampling = &intent.request.sampling;
         self.check_token_ids("prompt token", intent.prompt_ids.iter().copied())?;
+        self.check_sampling_ids_and_lengths(&intent.request.sampling, intent.prompt_ids.len())
+    }
+
+    fn check_sampling_ids_and_lengths(&self, sampling: &SamplingParams, prompt_len: usize) -> Result<()> {
         self.check_token_ids("logit_bias", sampling.logit_bias.iter().map(|(t, _)| *t))?;
         self.check_token_ids("stop_token_ids", sampling.stop_token_ids.iter().copied())?;
-        self.check_lengths(intent.prompt_ids.len(), sampling.max_tokens)
+        self.check_lengths(prompt_len, sampling.max_tokens)
     }
 
     /// The prompt's token ids as the model will see them.

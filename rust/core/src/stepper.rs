@@ -509,9 +509,10 @@ impl RuntimeStepper {
             list.push(lp);
         }
         let ends_by_eos = is_eos && !row.sampling.ignore_eos;
+        let ends_by_stop_token = row.sampling.stop_token_ids.contains(&s.token_id);
         // As vLLM: the token that ends the sequence (an EOS or a stop_token_ids id) keeps its id in the output but
         // adds no text (skip_special_tokens=False showed "<|im_end|>", a stop id such as "!" showed itself).
-        let stopped = if ends_by_eos || row.sampling.stop_token_ids.contains(&s.token_id) {
+        let stopped = if ends_by_eos || ends_by_stop_token {
             None
         } else {
             row.stream.push_to(&self.tokenizer, s.token_id, &mut row.unreported_text)?
@@ -519,7 +520,7 @@ impl RuntimeStepper {
         let end = |reason, stop_reason| Some(Ending { reason, stop_reason, error: None });
         row.ending = if ends_by_eos {
             end(FinishReason::Eos, None)
-        } else if row.sampling.stop_token_ids.contains(&s.token_id) {
+        } else if ends_by_stop_token {
             end(FinishReason::Stop, Some(s.token_id.to_string()))
         } else if let Some(stop) = stopped {
             end(FinishReason::Stop, Some(stop))

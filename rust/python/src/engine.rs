@@ -10,14 +10,13 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 use stepllm_core::engine::{EngineEvent, RequestEngine};
 use stepllm_core::request::GenerationResponse;
-use stepllm_core::step::TokenDelta;
 use stepllm_core::Error;
 
 use crate::config::PyConfig;
 use crate::coordinator::{counts_dict, info_dict, load_coordinator};
 use crate::errors::{compute, compute_ok, to_py};
-use crate::request::{PyGenerationRequest, PyGenerationResponse, PyTokenLogprob};
-use crate::types::py_repr;
+use crate::request::{PyGenerationRequest, PyGenerationResponse};
+use crate::types::token_delta_class;
 
 /// How long one blocking wait lasts before Python gets a chance to handle signals (Ctrl-C).
 const SIGNAL_POLL: Duration = Duration::from_millis(100);
@@ -165,45 +164,8 @@ impl PyEngine {
     }
 }
 
-/// A stream's piece: the engine's TokenDelta of one step.
-#[pyclass(
-    module = "stepllm._core",
-    name = "StreamChunk",
-    frozen,
-    eq,
-    from_py_object
-)]
-#[derive(Debug, Clone, PartialEq)]
-pub struct PyStreamChunk(pub TokenDelta);
-
-#[pymethods]
-impl PyStreamChunk {
-    #[new]
-    #[pyo3(signature = (token_ids, text, logprobs=None))]
-    fn new(token_ids: Vec<u32>, text: String, logprobs: Option<Vec<PyTokenLogprob>>) -> Self {
-        let logprobs = logprobs.map(|l| l.into_iter().map(|lp| lp.0).collect());
-        Self(TokenDelta { token_ids: token_ids.into(), text: text.into(), logprobs })
-    }
-    #[getter]
-    fn token_ids(&self) -> Vec<u32> {
-        self.0.token_ids.to_vec()
-    }
-    #[getter]
-    fn text(&self) -> &str {
-        &self.0.text
-    }
-    /// One per token when the request asked for logprobs, else None.
-    #[getter]
-    fn logprobs(&self) -> Option<Vec<PyTokenLogprob>> {
-        PyTokenLogprob::list(&self.0.logprobs)
-    }
-    fn __hash__(&self) -> u64 {
-        crate::hashing::py_hash(&self.0)
-    }
-    fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
-        py_repr!(py, "StreamChunk", "token_ids" => self.0.token_ids.to_vec(), "text" => self.0.text.as_str())
-    }
-}
+// A stream's piece: the engine's TokenDelta of one step.
+token_delta_class!(PyStreamChunk, "StreamChunk");
 
 /// One request's stream: StreamChunk items, then the GenerationResponse in `response`.
 #[pyclass(module = "stepllm._core", name = "RequestStream", frozen)]

@@ -7,7 +7,6 @@ use stepllm_core::ids::{ResidentRef, SequenceIdentity};
 use stepllm_core::step::{
     AdmissionIntent, AdmissionResult, AdmissionStatus, BatchResult, ImmutableDecodeBatch, ImmutableMixedBatch,
     ImmutablePrefillBatch, ImmutablePrefillGroup, ScheduledSequenceDescriptor, SequenceWork, StepExecution, StepResult,
-    TokenDelta,
 };
 
 use crate::request::{PyFinishReason, PyGenerationRequest, PyTokenLogprob};
@@ -171,44 +170,47 @@ impl PyScheduledSequenceDescriptor {
     }
 }
 
-#[pyclass(
-    module = "stepllm._core",
-    name = "TokenDelta",
-    frozen,
-    eq,
-    from_py_object
-)]
-#[derive(Debug, Clone, PartialEq)]
-pub struct PyTokenDelta(pub TokenDelta);
+/// A Python class over the core's TokenDelta: the stepped API's `TokenDelta` and the engine stream's
+/// `StreamChunk` are the same value under two names.
+macro_rules! token_delta_class {
+    ($rust:ident, $name:literal) => {
+        #[pyclass(module = "stepllm._core", name = $name, frozen, eq, from_py_object)]
+        #[derive(Debug, Clone, PartialEq)]
+        pub struct $rust(pub stepllm_core::step::TokenDelta);
 
-#[pymethods]
-impl PyTokenDelta {
-    #[new]
-    #[pyo3(signature = (token_ids, text, logprobs=None))]
-    fn new(token_ids: Vec<u32>, text: String, logprobs: Option<Vec<PyTokenLogprob>>) -> Self {
-        let logprobs = logprobs.map(|l| l.into_iter().map(|lp| lp.0).collect());
-        Self(TokenDelta { token_ids: token_ids.into(), text: text.into(), logprobs })
-    }
-    /// One per token when the request asked for logprobs, else None.
-    #[getter]
-    fn logprobs(&self) -> Option<Vec<PyTokenLogprob>> {
-        PyTokenLogprob::list(&self.0.logprobs)
-    }
-    fn __hash__(&self) -> u64 {
-        crate::hashing::py_hash(&self.0)
-    }
-    #[getter]
-    fn token_ids(&self) -> Vec<u32> {
-        self.0.token_ids.to_vec()
-    }
-    #[getter]
-    fn text(&self) -> &str {
-        &self.0.text
-    }
-    fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
-        py_repr!(py, "TokenDelta", "token_ids" => self.0.token_ids.to_vec(), "text" => self.0.text.as_str())
-    }
+        #[pymethods]
+        impl $rust {
+            #[new]
+            #[pyo3(signature = (token_ids, text, logprobs=None))]
+            fn new(token_ids: Vec<u32>, text: String, logprobs: Option<Vec<$crate::request::PyTokenLogprob>>) -> Self {
+                let logprobs = logprobs.map(|l| l.into_iter().map(|lp| lp.0).collect());
+                Self(stepllm_core::step::TokenDelta { token_ids: token_ids.into(), text: text.into(), logprobs })
+            }
+            #[getter]
+            fn token_ids(&self) -> Vec<u32> {
+                self.0.token_ids.to_vec()
+            }
+            #[getter]
+            fn text(&self) -> &str {
+                &self.0.text
+            }
+            /// One per token when the request asked for logprobs, else None.
+            #[getter]
+            fn logprobs(&self) -> Option<Vec<$crate::request::PyTokenLogprob>> {
+                $crate::request::PyTokenLogprob::list(&self.0.logprobs)
+            }
+            fn __hash__(&self) -> u64 {
+                $crate::hashing::py_hash(&self.0)
+            }
+            fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
+                $crate::types::py_repr!(py, $name, "token_ids" => self.0.token_ids.to_vec(), "text" => self.0.text.as_str())
+            }
+        }
+    };
 }
+pub(crate) use token_delta_class;
+
+token_delta_class!(PyTokenDelta, "TokenDelta");
 
 #[pyclass(
     module = "stepllm._core",

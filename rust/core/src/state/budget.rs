@@ -64,11 +64,11 @@ impl BlockBudget {
 
     /// Why a request can never be seated (more blocks than the cache holds beside its pinned blocks), if so.
     pub fn never_fits(&self, prompt: &[u32], max_new_tokens: usize, extra: u64) -> Option<String> {
-        self.rejection(prompt, max_new_tokens, &self.find_prefix(prompt, extra))
+        let needed = self.blocks_for(prompt.len().saturating_add(max_new_tokens));
+        self.rejection(prompt, max_new_tokens, needed, &self.find_prefix(prompt, extra))
     }
 
-    fn rejection(&self, prompt: &[u32], max_new_tokens: usize, hits: &[(u32, u64)]) -> Option<String> {
-        let needed = self.blocks_for(prompt.len().saturating_add(max_new_tokens));
+    fn rejection(&self, prompt: &[u32], max_new_tokens: usize, needed: usize, hits: &[(u32, u64)]) -> Option<String> {
         let what = format!(
             "prompt ({} tokens) + max_tokens ({max_new_tokens}) needs {needed} KV blocks of {} tokens",
             prompt.len(),
@@ -97,11 +97,11 @@ impl BlockBudget {
 
     /// Reserve the whole generate budget, or change nothing.
     pub fn reserve(&mut self, prompt: &[u32], max_new_tokens: usize, extra: u64) -> Reservation {
+        let needed = self.blocks_for(prompt.len().saturating_add(max_new_tokens));
         let hits = self.find_prefix(prompt, extra);
-        if let Some(why) = self.rejection(prompt, max_new_tokens, &hits) {
+        if let Some(why) = self.rejection(prompt, max_new_tokens, needed, &hits) {
             return Reservation::Rejected(why);
         }
-        let needed = self.blocks_for(prompt.len().saturating_add(max_new_tokens));
         let hits_evictable = hits.iter().filter(|(b, _)| self.cache.is_evictable(*b)).count();
         let available = self.pool.free_count() + self.cache.evictable_count() - hits_evictable;
         let fresh = needed - hits.len();
