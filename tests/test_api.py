@@ -392,3 +392,53 @@ def test_cancelling_a_founder_that_already_ended_is_a_no_op_until_it_is_reported
     assert finished[1].finish_reason == stepllm.FinishReason.LENGTH and len(finished[1].output_ids) == 1
     assert stepped.residents() == []
     stepped.finish()
+
+
+def test_min_tokens_bans_ending_ids_and_early_stop_strings() -> None:
+    """vLLM's min_tokens: until that many tokens are out, EOS and stop_token_ids cannot be sampled and a stop string
+    that ends inside their text does not stop the request."""
+    coord = coordinator()
+    prompt = [5, 6, 7]
+    (free,) = coord.dispatch_request([stepllm.GenerationRequest(prompt, greedy(12))])
+    ids = free.output_ids
+    k = next(i for i in range(2, len(ids)) if ids[i] not in ids[:i])
+    (held,) = coord.dispatch_request([stepllm.GenerationRequest(prompt, greedy(12, stop_token_ids=[ids[k]], min_tokens=k + 3))])
+    assert held.output_ids[:k] == ids[:k]  # greedy: identical until the banned token would come
+    assert ids[k] not in held.output_ids[: k + 3] and len(held.output_ids) >= k + 3
+    # EOS made overwhelming by a logit bias comes as the first token after min_tokens.
+    eos_first = stepllm.SamplingParams(max_tokens=10, temperature=0.0, logit_bias={2: 100.0}, min_tokens=4)
+    (ended,) = coord.dispatch_request([stepllm.GenerationRequest(prompt, eos_first)])
+    assert len(ended.output_ids) == 5 and 2 not in ended.output_ids[:4] and 0 not in ended.output_ids[:4]
+    assert ended.output_ids[4] == 2 and ended.finish_reason == stepllm.FinishReason.EOS
+    # With ignore_eos, min_tokens bans nothing: the biased EOS comes first and does not end the request.
+    (ignored,) = coord.dispatch_request([stepllm.GenerationRequest(prompt, greedy(3, logit_bias={2: 100.0}, min_tokens=2))])
+    assert ignored.output_ids == [2, 2, 2]
+    # A stop string met in the first min_tokens tokens' text is passed over.
+    text = free.output_text
+    stop = next(text[i : i + 2] for i in range(len(text) - 1) if text[i : i + 2].strip() and text.count(text[i : i + 2]) == 1)
+    (early,) = coord.dispatch_request([stepllm.GenerationRequest(prompt, greedy(12, stop=[stop]))])
+    assert early.finish_reason == stepllm.FinishReason.STOP and early.output_text == text[: text.index(stop)]
+    (late,) = coord.dispatch_request([stepllm.GenerationRequest(prompt, greedy(12, stop=[stop], min_tokens=12))])
+    assert late.output_text == text and late.finish_reason == stepllm.FinishReason.LENGTH
+
+
+def test_include_stop_str_in_output_keeps_the_stop() -> None:
+    coord = coordinator()
+    prompt = [5, 6, 7]
+    (free,) = coord.dispatch_request([stepllm.GenerationRequest(prompt, greedy(12))])
+    text = free.output_text
+    stop = next(text[i : i + 2] for i in range(1, len(text) - 1) if text[i : i + 2].strip() and text.count(text[i : i + 2]) == 1)
+    (kept,) = coord.dispatch_request([stepllm.GenerationRequest(prompt, greedy(12, stop=[stop], include_stop_str_in_output=True))])
+    assert kept.output_text == text[: text.index(stop) + len(stop)]
+    assert kept.finish_reason == stepllm.FinishReason.STOP and kept.stop_reason == stop
+
+
+def test_min_tokens_is_validated() -> None:
+    assert stepllm.SamplingParams(max_tokens=4, min_tokens=4).min_tokens == 4
+    with pytest.raises(stepllm.InvalidRequestError, match="min_tokens"):
+        stepllm.SamplingParams(max_tokens=4, min_tokens=5)
+    with pytest.raises(stepllm.InvalidRequestError, match="min_tokens"):
+        stepllm.SamplingParams(min_tokens=-1)
+    s = stepllm.SamplingParams(min_tokens=2, include_stop_str_in_output=True)
+    assert (s.min_tokens, s.include_stop_str_in_output) == (2, True)
+    assert s != stepllm.SamplingParams(min_tokens=2) and "min_tokens=2" in repr(s)

@@ -313,6 +313,14 @@ def test_gpu_sampling_options(models_dir: Path) -> None:
     assert run(temperature=0.0, logit_bias={banned: -100.0})[0] != banned
     rep = run(temperature=0.0, repetition_penalty=100.0, presence_penalty=2.0, frequency_penalty=1.0)
     assert len(rep) == 12
+    # min_tokens bans the ending ids on the device sampler (bias pairs of -inf), greedy and random.
+    for kw in ({"temperature": 0.0}, {"temperature": 1.0, "seed": 4}):
+        free = run(**kw)
+        k = next(i for i in range(1, len(free)) if free[i] not in free[:i])
+        held = run(stop_token_ids=[free[k]], min_tokens=k + 4, **kw)
+        assert free[k] not in held[: k + 4] and len(held) >= k + 4, (kw, free, held)
+        if kw["temperature"] == 0.0:
+            assert held[:k] == free[:k]
     # Seeded draws do not depend on batch neighbours: their tokens, their sampling. The batch's shape stays the
     # same (two rows, a 9-token neighbour), since on the GPU the kernels are chosen by batch size (GEMV, skinny
     # GEMM, cuBLAS), and a different size may round the logits differently, which a draw at temperature 3 can

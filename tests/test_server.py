@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
+import openai
 import pytest
 
 import stepllm
@@ -168,6 +169,16 @@ def test_sampling_fields_are_honoured(server: BackgroundServer, llm: stepllm.LLM
     r = client.completions.create(model="qwen2", prompt="Hello", max_tokens=12, temperature=0, stop=[stop])
     assert r.choices[0].text == plain[: plain.index(stop)] and r.choices[0].finish_reason == "stop"
     assert (r.choices[0].model_extra or {}).get("stop_reason") == stop  # vLLM's extension field
+    # vLLM's include_stop_str_in_output keeps the stop; min_tokens passes over a stop met in its first tokens.
+    kept = client.completions.create(model="qwen2", prompt="Hello", max_tokens=12, temperature=0, stop=[stop],
+                                     extra_body={"include_stop_str_in_output": True})
+    assert kept.choices[0].text == plain[: plain.index(stop) + len(stop)] and kept.choices[0].finish_reason == "stop"
+    late = llm.generate("Hello", greedy(12, stop=[stop], min_tokens=12))[0]
+    r = client.completions.create(model="qwen2", prompt="Hello", max_tokens=12, temperature=0, stop=[stop],
+                                  extra_body={"min_tokens": 12})
+    assert r.choices[0].text == late.output_text and late.output_text.startswith(plain[: plain.index(stop) + len(stop)])
+    with pytest.raises(openai.BadRequestError, match="min_tokens"):
+        client.completions.create(model="qwen2", prompt="Hello", max_tokens=2, extra_body={"min_tokens": 3})
     # logit_bias forces a token; logprobs name the tokens.
     r = client.completions.create(model="qwen2", prompt="Hello", max_tokens=4, temperature=0, logit_bias={"77": 100}, logprobs=2)
     lp = r.choices[0].logprobs

@@ -257,8 +257,12 @@ class SamplingParams:
     max_tokens [16], temperature [1.0; 0 = greedy], top_k [0 = off], top_p [1.0], min_p [0.0], seed [None: a fresh
     random seed per request], repetition_penalty [1.0], presence_penalty [0.0], frequency_penalty [0.0],
     logit_bias [none; token id -> bias in [-100, 100]], logprobs [None = none; up to 20 alternatives],
-    stop [none; a str or a list of str], stop_token_ids [none], ignore_eos [False], skip_special_tokens [True].
-    The token that ends a request (an EOS, or one of stop_token_ids) stays in output_ids but adds no text.
+    stop [none; a str or a list of str], stop_token_ids [none], ignore_eos [False], skip_special_tokens [True],
+    min_tokens [0; at most max_tokens], include_stop_str_in_output [False].
+    The token that ends a request (an EOS, or one of stop_token_ids) stays in output_ids but adds no text. As in
+    vLLM, until min_tokens tokens are generated EOS and stop_token_ids cannot be sampled and a stop string that
+    ends inside their text does not stop the request; include_stop_str_in_output keeps the stop string that ended
+    the request at the end of its text.
     """
     def __new__(
         cls,
@@ -278,6 +282,8 @@ class SamplingParams:
         stop_token_ids: Sequence[int] | None = None,
         ignore_eos: bool | None = None,
         skip_special_tokens: bool | None = None,
+        min_tokens: int | None = None,
+        include_stop_str_in_output: bool | None = None,
     ) -> SamplingParams: ...
     @property
     def max_tokens(self) -> int: ...
@@ -309,6 +315,10 @@ class SamplingParams:
     def ignore_eos(self) -> bool: ...
     @property
     def skip_special_tokens(self) -> bool: ...
+    @property
+    def min_tokens(self) -> int: ...
+    @property
+    def include_stop_str_in_output(self) -> bool: ...
     @property
     def is_greedy(self) -> bool: ...
     def __eq__(self, other: object, /) -> bool: ...

@@ -2,7 +2,8 @@
 and their translation into the core's SamplingParams / GenerationRequest.
 
 Beyond OpenAI's fields, vLLM's common extensions are honoured: top_k, min_p, repetition_penalty, ignore_eos,
-stop_token_ids, skip_special_tokens, add_special_tokens (completions) and request_id. A request becomes one core
+stop_token_ids, skip_special_tokens, min_tokens, include_stop_str_in_output, add_special_tokens (completions) and
+request_id. A request becomes one core
 request per choice: `n` per prompt, and /v1/completions takes a batch of prompts.
 """
 
@@ -48,6 +49,8 @@ class _Sampling(_Strict):
     stream_options: StreamOptions | None = None
     ignore_eos: bool | None = None
     skip_special_tokens: bool | None = None
+    min_tokens: int | None = Field(default=None, ge=0)
+    include_stop_str_in_output: bool | None = None
     request_id: str | None = Field(default=None, min_length=1, max_length=256)
     # Accepted and ignored, as they change nothing about generation.
     user: str | None = None
@@ -122,6 +125,8 @@ class _Sampling(_Strict):
                 stop_token_ids=self.stop_token_ids,
                 ignore_eos=self.ignore_eos,
                 skip_special_tokens=self.skip_special_tokens,
+                min_tokens=self.min_tokens,
+                include_stop_str_in_output=self.include_stop_str_in_output,
             )
         except (InvalidRequestError, ValueError, OverflowError, TypeError) as e:
             raise bad_request(str(e), code="invalid_value") from e

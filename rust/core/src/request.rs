@@ -38,6 +38,11 @@ pub struct SamplingParams {
     pub stop_token_ids: Vec<u32>,
     pub ignore_eos: bool,
     pub skip_special_tokens: bool,
+    /// As vLLM: until this many tokens are generated, EOS and `stop_token_ids` cannot be sampled and stop
+    /// strings that end inside that text do not stop the request.
+    pub min_tokens: usize,
+    /// Keep the stop string that ended the request at the end of its text (vLLM's include_stop_str_in_output).
+    pub include_stop_str_in_output: bool,
 }
 
 impl Default for SamplingParams {
@@ -58,6 +63,8 @@ impl Default for SamplingParams {
             stop_token_ids: Vec::new(),
             ignore_eos: false,
             skip_special_tokens: true,
+            min_tokens: 0,
+            include_stop_str_in_output: false,
         }
     }
 }
@@ -78,6 +85,12 @@ impl SamplingParams {
     pub fn validate(&self) -> Result<()> {
         if self.max_tokens == 0 {
             return invalid("max_tokens must be at least 1");
+        }
+        if self.min_tokens > self.max_tokens {
+            return invalid(format!(
+                "min_tokens ({}) must not exceed max_tokens ({})",
+                self.min_tokens, self.max_tokens
+            ));
         }
         if !(self.temperature.is_finite() && self.temperature >= 0.0) {
             return invalid(format!("temperature must be a finite number >= 0 (0 means greedy), got {}", self.temperature));

@@ -20,6 +20,22 @@ pub struct RowContext<'a> {
     pub position: u64,
     /// Resolved once per request (see `resolve_seed`).
     pub seed: u64,
+    /// Token ids that may not be drawn now (EOS and stop_token_ids before `min_tokens`); empty for most rows.
+    pub banned: &'a [u32],
+}
+
+impl RowContext<'_> {
+    /// Whether [`sample_row`] returns the argmax of the raw logits: greedy, and nothing in [`adjust_logits`]
+    /// changes them. A GPU backend can then pick the token inside its forward.
+    pub(crate) fn is_plain_argmax(&self) -> bool {
+        let p = self.params;
+        is_greedy(p)
+            && self.banned.is_empty()
+            && p.logit_bias.is_empty()
+            && p.repetition_penalty == 1.0
+            && p.presence_penalty == 0.0
+            && p.frequency_penalty == 0.0
+    }
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -100,6 +116,11 @@ pub fn sample_rows(logits: &mut [f32], vocab: usize, ctxs: &[RowContext]) -> Vec
 pub fn adjust_logits(logits: &mut [f32], ctx: &RowContext) {
     let p = ctx.params;
     apply_logit_bias(logits, &p.logit_bias);
+    for &id in ctx.banned {
+        if let Some(l) = logits.get_mut(id as usize) {
+            *l = f32::NEG_INFINITY;
+        }
+    }
     if p.repetition_penalty != 1.0 {
         apply_repetition_penalty(logits, ctx.prompt_ids, ctx.output_ids, p.repetition_penalty);
     }
@@ -157,16 +178,6 @@ fn apply_presence_frequency(logits: &mut [f32], output: &[u32], presence: f32, f
 /// Greedy rows take the argmax (temperature 0, top_k 1, or a temperature too small to divide by).
 pub(crate) fn is_greedy(params: &SamplingParams) -> bool {
     params.is_greedy() || params.temperature < MIN_TEMPERATURE
-}
-
-/// Whether [`sample_row`] returns the argmax of the raw logits: greedy, and nothing in [`adjust_logits`]
-/// changes them. A GPU backend can then pick the token inside its forward.
-pub(crate) fn is_plain_argmax(params: &SamplingParams) -> bool {
-    is_greedy(params)
-        && params.logit_bias.is_empty()
-        && params.repetition_penalty == 1.0
-        && params.presence_penalty == 0.0
-        && params.frequency_penalty == 0.0
 }
 
 /// The first (lowest-id) maximum; NaN is never selected, and a row with no number at all gives 0.
@@ -513,6 +524,7 @@ mod tests {
             output_ids: &[],
             position: 0,
             seed: 1,
+            banned: &[],
         };
         let mut banned = vec![f32::NEG_INFINITY; 8];
         assert_eq!(sample_row(&mut banned, &ctx).token_id, 0);

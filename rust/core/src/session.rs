@@ -46,6 +46,9 @@ pub struct SequenceRow {
     pub seed: u64,
     pub stream: TextStream,
     pub logprobs: Option<Vec<TokenLogprob>>,
+    /// The ids that end the sequence (EOS unless ignored, stop_token_ids), kept only while `min_tokens` bans
+    /// them; empty otherwise.
+    pub ending_ids: Vec<u32>,
     /// Cancel and error latch first: the next step reports the sequence finished without computing it.
     pub latched: Option<Ending>,
     pub ending: Option<Ending>,
@@ -63,6 +66,15 @@ impl SequenceRow {
 
     pub fn total_len(&self) -> usize {
         self.prompt_ids.len() + self.output_ids.len()
+    }
+
+    /// Ids the next token may not be: those that would end the sequence before its `min_tokens`.
+    pub fn banned_ids(&self) -> &[u32] {
+        if self.output_ids.len() < self.sampling.min_tokens {
+            &self.ending_ids
+        } else {
+            &[]
+        }
     }
 
     /// Whether this step samples a token for the row: a running row always, a seated one with its last chunk.

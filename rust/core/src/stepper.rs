@@ -7,7 +7,7 @@ use crate::backend::KvCacheDtype;
 use crate::error::{protocol, Error, Result};
 use crate::ids::{ResidentRef, SequenceIdentity, StepId};
 use crate::model::{ForwardBatch, ModelRunner, SeqSlice, StepTiming};
-use crate::request::FinishReason;
+use crate::request::{FinishReason, SamplingParams};
 use crate::sampling::{resolve_seed, Sampled};
 use crate::session::{Ending, GenerationSession, Phase, SequenceRow};
 use crate::state::budget::{BlockBudget, Reservation};
@@ -157,8 +157,14 @@ impl RuntimeStepper {
         let seed = resolve_seed(sampling, fresh_entropy(self.unseeded_draws));
         let row = SequenceRow {
             identity: SequenceIdentity { request_id: intent.request_id, original_index: intent.original_index, resident },
-            stream: TextStream::new(sampling.stop.clone(), sampling.skip_special_tokens),
+            stream: TextStream::with_options(
+                sampling.stop.clone(),
+                sampling.skip_special_tokens,
+                sampling.include_stop_str_in_output,
+                sampling.min_tokens,
+            ),
             logprobs: sampling.logprobs.map(|_| Vec::new()),
+            ending_ids: self.ending_ids_banned_by_min_tokens(sampling),
             sampling: intent.request.sampling,
             computed: lease.cached_tokens,
             prefill_end: intent.prompt_ids.len(),
@@ -177,6 +183,19 @@ impl RuntimeStepper {
         self.session.insert(row);
         self.seated.push(resident);
         Ok(AdmissionResult::admitted(resident))
+    }
+
+    /// EOS (unless ignored) and the request's stop_token_ids, which its sampler bans until `min_tokens` tokens
+    /// are out; nothing for a request without `min_tokens`.
+    fn ending_ids_banned_by_min_tokens(&self, sampling: &SamplingParams) -> Vec<u32> {
+        if sampling.min_tokens == 0 {
+            return Vec::new();
+        }
+        let eos = self.eos_ids.iter().filter(|_| !sampling.ignore_eos);
+        let mut ids: Vec<u32> = eos.chain(&sampling.stop_token_ids).copied().collect();
+        ids.sort_unstable();
+        ids.dedup();
+        ids
     }
 
     /// Compute the seated sequence's prompt and sample its first token; a prompt longer than

@@ -16,6 +16,7 @@ mod sampling_props {
             output_ids: &[],
             position,
             seed,
+            banned: &[],
         }
     }
 
@@ -123,6 +124,24 @@ mod sampling_props {
     }
 
     #[test]
+    fn banned_ids_are_never_drawn_and_their_logprobs_stay_raw() {
+        let logits = [3.0, 1.0, -2.0, 2.9, 2.5];
+        let mut greedy = SamplingParams::greedy(1);
+        greedy.logprobs = Some(2);
+        let ctx = RowContext { banned: &[0, 3], ..row(&greedy, 0, 0) };
+        let s = sample(&logits, &ctx);
+        assert_eq!(s.token_id, 4);
+        // Logprobs describe the model's raw distribution, as without the ban (vLLM's default).
+        let raw = sample(&logits, &row(&greedy, 0, 0)).logprob.unwrap();
+        assert_eq!(s.logprob.unwrap().top, raw.top);
+        let random = random(1.5);
+        for position in 0..300 {
+            let t = sample(&logits, &RowContext { banned: &[0, 3, 4], ..row(&random, 7, position) }).token_id;
+            assert!(t == 1 || t == 2, "drew banned token {t}");
+        }
+    }
+
+    #[test]
     fn repetition_penalty_divides_positive_and_multiplies_negative_once_per_token() {
         let params = SamplingParams {
             repetition_penalty: 2.0,
@@ -134,6 +153,7 @@ mod sampling_props {
             output_ids: &[0, 9999],
             position: 5,
             seed: 0,
+            banned: &[],
         };
         let mut logits = vec![2.0, 1.5, -1.0, -1.2];
         adjust_logits(&mut logits, &ctx);
@@ -162,6 +182,7 @@ mod sampling_props {
             output_ids: &[3, 3, 5, 3],
             position: 7,
             seed: 0,
+            banned: &[],
         };
         let mut logits = vec![0.0f32; 6];
         adjust_logits(&mut logits, &ctx);
@@ -183,6 +204,7 @@ mod sampling_props {
             output_ids: &[0],
             position: 1,
             seed: 0,
+            banned: &[],
         };
         let mut logits = vec![3.0f32];
         adjust_logits(&mut logits, &ctx);
@@ -396,6 +418,7 @@ mod sampling_props {
             output_ids: &case.output,
             position: case.position,
             seed: case.seed,
+            banned: &[],
         }
     }
 
@@ -472,7 +495,7 @@ mod sampling_props {
             logits in logits_strategy(300), n in 0usize..=20, t in 0.0f32..2.0, seed in any::<u64>(), bias in -5.0f32..5.0,
         ) {
             let params = SamplingParams { logprobs: Some(n), logit_bias: vec![(0, bias)], repetition_penalty: 1.3, ..random(t) };
-            let ctx = RowContext { params: &params, prompt_ids: &[0, 1], output_ids: &[2], position: 9, seed };
+            let ctx = RowContext { params: &params, prompt_ids: &[0, 1], output_ids: &[2], position: 9, seed, banned: &[] };
             let out = sample(&logits, &ctx);
             let lp = out.logprob.unwrap();
             let lse = logits.iter().map(|&l| (l as f64).exp()).sum::<f64>().ln();

@@ -205,3 +205,56 @@ fn emitted_text_matches_truncate_at_stop_for_many_stop_choices() {
         }
     }
 }
+
+/// Streams `ids` with the stream's vLLM options until it stops; returns the emitted text and the stop.
+fn stream_with(tok: &Tokenizer, ids: &[u32], stops: &[&str], include_stop: bool, min_tokens: usize) -> (String, Option<String>, usize) {
+    let mut s = TextStream::with_options(strings(stops), false, include_stop, min_tokens);
+    let mut text = String::new();
+    for (i, &id) in ids.iter().enumerate() {
+        let step = s.push(tok, id).unwrap();
+        text.push_str(&step.text);
+        assert_eq!(text, s.text());
+        if step.stopped.is_some() {
+            return (text, step.stopped, i + 1);
+        }
+    }
+    text.push_str(&s.flush());
+    (text, None, ids.len())
+}
+
+#[test]
+fn include_stop_keeps_the_stop_string_and_cuts_after_it() {
+    let tok = tokenizer();
+    let ids = tok.encode("The capital of France is Paris. The capital of Italy is Rome.", false).unwrap();
+    let (text, stop, _) = stream_with(&tok, &ids, &["Paris", "Rome"], true, 0);
+    assert_eq!(text, "The capital of France is Paris");
+    assert_eq!(stop.as_deref(), Some("Paris"));
+    // A stop inside a single token: the token's text after the stop is cut.
+    let (text, stop, _) = stream_with(&tok, &ids, &["pit"], true, 0);
+    assert_eq!((text.as_str(), stop.as_deref()), ("The capit", Some("pit")));
+    // Without the option the same stream ends before the stop.
+    let (text, _, _) = stream_with(&tok, &ids, &["Paris"], false, 0);
+    assert_eq!(text, "The capital of France is ");
+}
+
+#[test]
+fn stops_ending_within_the_first_min_tokens_do_not_count() {
+    let tok = tokenizer();
+    let ids = tok.encode("The capital of France is Paris. The capital of Italy is Rome.", false).unwrap();
+    let paris_ends = (1..=ids.len()).find(|&n| tok.decode(&ids[..n], false).unwrap().contains("Paris")).unwrap();
+    // "capital" ends in the text of the first paris_ends tokens, so with that many as min_tokens only its second
+    // occurrence, after "Paris", stops the stream.
+    let (text, stop, pushed) = stream_with(&tok, &ids, &["capital"], false, paris_ends);
+    assert_eq!(text, "The capital of France is Paris. The ");
+    assert_eq!(stop.as_deref(), Some("capital"));
+    assert!(pushed > paris_ends);
+    // A stop that ends in the first token past min_tokens counts, though it began inside their text.
+    let (text, stop, pushed) = stream_with(&tok, &ids, &["Paris"], false, paris_ends - 1);
+    assert_eq!((text.as_str(), stop.as_deref(), pushed), ("The capital of France is ", Some("Paris"), paris_ends));
+    // min_tokens at that token: "Paris" ends inside the protected text, and no later "Paris" comes.
+    let (text, stop, _) = stream_with(&tok, &ids, &["Paris"], false, paris_ends);
+    assert_eq!((text.as_str(), stop), ("The capital of France is Paris. The capital of Italy is Rome.", None));
+    // With a stop included and min_tokens, the later occurrence is kept in the text.
+    let (text, _, _) = stream_with(&tok, &ids, &["capital"], true, paris_ends);
+    assert_eq!(text, "The capital of France is Paris. The capital");
+}

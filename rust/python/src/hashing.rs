@@ -111,7 +111,8 @@ impl HashValue for TokenDelta {
     }
 }
 fields!(SamplingParams: max_tokens, temperature, top_k, top_p, min_p, seed, repetition_penalty, presence_penalty,
-    frequency_penalty, logit_bias, logprobs, stop, stop_token_ids, ignore_eos, skip_special_tokens);
+    frequency_penalty, logit_bias, logprobs, stop, stop_token_ids, ignore_eos, skip_special_tokens, min_tokens,
+    include_stop_str_in_output);
 fields!(GenerationRequest: prompt, sampling, add_special_tokens, cache_salt, lora_name);
 fields!(GenerationResponse: request_id, original_index, prompt_ids, output_ids, output_text, finish_reason, stop_reason,
     logprobs, cached_prompt_tokens, error);

@@ -143,7 +143,8 @@ impl PySamplingParams {
     #[new]
     #[pyo3(signature = (*, max_tokens=None, temperature=None, top_k=None, top_p=None, min_p=None, seed=None,
         repetition_penalty=None, presence_penalty=None, frequency_penalty=None, logit_bias=None, logprobs=None,
-        stop=None, stop_token_ids=None, ignore_eos=None, skip_special_tokens=None))]
+        stop=None, stop_token_ids=None, ignore_eos=None, skip_special_tokens=None, min_tokens=None,
+        include_stop_str_in_output=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -162,6 +163,8 @@ impl PySamplingParams {
         stop_token_ids: Option<Vec<i128>>,
         ignore_eos: Option<bool>,
         skip_special_tokens: Option<bool>,
+        min_tokens: Option<i128>,
+        include_stop_str_in_output: Option<bool>,
     ) -> PyResult<Self> {
         let mut p = SamplingParams::default();
         if let Some(v) = max_tokens {
@@ -216,6 +219,12 @@ impl PySamplingParams {
         }
         if let Some(v) = skip_special_tokens {
             p.skip_special_tokens = v;
+        }
+        if let Some(v) = min_tokens {
+            p.min_tokens = uint(py, "min_tokens", v)?;
+        }
+        if let Some(v) = include_stop_str_in_output {
+            p.include_stop_str_in_output = v;
         }
         p.validate().map_err(|e| to_py(py, e))?;
         Ok(Self(p))
@@ -286,6 +295,14 @@ impl PySamplingParams {
     fn skip_special_tokens(&self) -> bool {
         self.0.skip_special_tokens
     }
+    #[getter]
+    fn min_tokens(&self) -> usize {
+        self.0.min_tokens
+    }
+    #[getter]
+    fn include_stop_str_in_output(&self) -> bool {
+        self.0.include_stop_str_in_output
+    }
     /// Whether sampling reduces to argmax (temperature 0 or top_k 1).
     #[getter]
     fn is_greedy(&self) -> bool {
@@ -301,7 +318,8 @@ impl PySamplingParams {
             "repetition_penalty" => self.0.repetition_penalty, "presence_penalty" => self.0.presence_penalty,
             "frequency_penalty" => self.0.frequency_penalty, "logit_bias" => self.logit_bias(),
             "logprobs" => self.0.logprobs, "stop" => self.stop(), "stop_token_ids" => self.stop_token_ids(),
-            "ignore_eos" => self.0.ignore_eos, "skip_special_tokens" => self.0.skip_special_tokens)
+            "ignore_eos" => self.0.ignore_eos, "skip_special_tokens" => self.0.skip_special_tokens,
+            "min_tokens" => self.0.min_tokens, "include_stop_str_in_output" => self.0.include_stop_str_in_output)
     }
 }
 

@@ -96,6 +96,7 @@ impl RuntimeStepper {
                     output_ids: &row.output_ids,
                     position: row.total_len() as u64,
                     seed: row.seed,
+                    banned: row.banned_ids(),
                 });
             }
         }

@@ -22,6 +22,13 @@ pub struct StreamStep {
 pub struct TextStream {
     stops: Vec<String>,
     skip_special_tokens: bool,
+    /// Keep the stop string at the end of the text (vLLM's include_stop_str_in_output).
+    include_stop: bool,
+    /// Stop strings that end within the text of the first `min_tokens` ids do not count (vLLM's min_tokens).
+    min_tokens: usize,
+    /// Byte length of the text of the first `min_tokens` ids, once they are all decoded: a stop counts only if
+    /// it ends past this. Until then every stop is ignored.
+    stops_end_past: Option<usize>,
     ids: Vec<u32>,
     /// Start of the decode window: ids before it are never decoded again.
     prefix_offset: usize,
@@ -48,9 +55,17 @@ struct AddedText {
 impl TextStream {
     /// Empty stop strings are ignored: they would match before any text.
     pub fn new(stops: Vec<String>, skip_special_tokens: bool) -> Self {
+        Self::with_options(stops, skip_special_tokens, false, 0)
+    }
+
+    /// [`new`](Self::new) with vLLM's `include_stop_str_in_output` and `min_tokens`.
+    pub fn with_options(stops: Vec<String>, skip_special_tokens: bool, include_stop: bool, min_tokens: usize) -> Self {
         Self {
             stops: stops.into_iter().filter(|s| !s.is_empty()).collect(),
             skip_special_tokens,
+            include_stop,
+            min_tokens,
+            stops_end_past: (min_tokens == 0).then_some(0),
             ids: Vec::new(),
             prefix_offset: 0,
             read_offset: 0,
@@ -93,6 +108,10 @@ impl TextStream {
             // Keep the lossy text so a finish mid-character still yields what decode(all ids) would.
             self.incomplete_tail.clear();
             self.incomplete_tail.push_str(text);
+        }
+        if self.stops_end_past.is_none() && self.ids.len() >= self.min_tokens {
+            // A character still incomplete here is finished by a later token, so its text counts as theirs.
+            self.stops_end_past = Some(self.decoded.len());
         }
         Ok(self.release(out))
     }
@@ -147,11 +166,13 @@ impl TextStream {
     /// and returns it.
     fn release(&mut self, out: &mut String) -> Option<String> {
         let pending = &self.decoded[self.emitted_len..];
-        if let Some((at, stop)) = earliest_stop(pending, &self.stops) {
+        let counted = self.stops_end_past.map(|end| end.saturating_sub(self.emitted_len));
+        if let Some((at, stop)) = counted.and_then(|past| earliest_stop_ending_past(pending, &self.stops, past)) {
             let stop_start = self.emitted_len + at;
-            out.push_str(&self.decoded[self.emitted_len..stop_start]);
-            self.decoded.truncate(stop_start);
-            self.emitted_len = stop_start;
+            let text_end = if self.include_stop { stop_start + stop.len() } else { stop_start };
+            out.push_str(&self.decoded[self.emitted_len..text_end]);
+            self.decoded.truncate(text_end);
+            self.emitted_len = text_end;
             self.stopped = Some(stop.to_string());
             return self.stopped.clone();
         }
@@ -176,11 +197,26 @@ pub fn truncate_at_stop(text: &str, stops: &[String]) -> (String, Option<String>
 
 /// Byte position and text of the earliest stop occurrence in `text` (shortest stop on ties).
 fn earliest_stop<'s>(text: &str, stops: &'s [String]) -> Option<(usize, &'s str)> {
+    earliest_stop_ending_past(text, stops, 0)
+}
+
+/// [`earliest_stop`] among the occurrences that end past byte `past` of `text` (those ending earlier lie in
+/// text where stops do not count).
+fn earliest_stop_ending_past<'s>(text: &str, stops: &'s [String], past: usize) -> Option<(usize, &'s str)> {
     stops
         .iter()
         .filter(|s| !s.is_empty())
-        .filter_map(|s| find_stop(text, s).map(|at| (at, s.as_str())))
+        .filter_map(|s| {
+            let from = first_char_boundary_from(text, (past + 1).saturating_sub(s.len()));
+            find_stop(&text[from..], s).map(|at| (from + at, s.as_str()))
+        })
         .min_by_key(|&(at, s)| (at, s.len()))
+}
+
+/// The first character boundary of `text` at or after byte `at` (`text.len()` past the end): a stop string
+/// starts on one.
+fn first_char_boundary_from(text: &str, at: usize) -> usize {
+    (at..text.len()).find(|&i| text.is_char_boundary(i)).unwrap_or(text.len())
 }
 
 /// Longest text searched by a plain scan; a stream's pending text (a held-back stop prefix and one token's

@@ -11,7 +11,7 @@ use std::time::Instant;
 use super::backend::{CudaBackend, DeviceLogits};
 use super::device::{Arg, DeviceBuffer, PinnedBuffer};
 use crate::error::Result;
-use crate::sampling::{is_greedy, is_plain_argmax, seeded_uniform, RowContext, Sampled};
+use crate::sampling::{is_greedy, seeded_uniform, RowContext, Sampled};
 
 /// Words per row of `RowParams` in kernels/sampling.cu.
 const PARAM_WORDS: usize = 16;
@@ -50,7 +50,7 @@ impl Sampler {
         if n == 0 {
             return Ok(Vec::new());
         }
-        let tokens = if rows.iter().all(|ctx| is_plain_argmax(ctx.params)) { self.argmax_tokens(backend, logits.argmax, n)? } else { self.draw(backend, logits, vocab, rows)? };
+        let tokens = if rows.iter().all(|ctx| ctx.is_plain_argmax()) { self.argmax_tokens(backend, logits.argmax, n)? } else { self.draw(backend, logits, vocab, rows)? };
         let gpu = backend.gpu();
         let mut sampled = Vec::with_capacity(n);
         for (i, ctx) in rows.iter().enumerate() {
@@ -158,7 +158,7 @@ impl Sampler {
                 prompt_len as u32,
                 output_len as u32,
                 0, // bias start: written below
-                p.logit_bias.len() as u32,
+                (p.logit_bias.len() + ctx.banned.len()) as u32,
                 u as u32,
                 (u >> 32) as u32,
                 0,
@@ -171,6 +171,11 @@ impl Sampler {
             for &(id, b) in &ctx.params.logit_bias {
                 self.host.push(id);
                 self.host.push(b.to_bits());
+            }
+            // A banned id's bias of -inf leaves its logit -inf whatever else was added to it, as on the CPU.
+            for &id in ctx.banned {
+                self.host.push(id);
+                self.host.push(f32::NEG_INFINITY.to_bits());
             }
         }
     }
