@@ -137,6 +137,40 @@ def test_greedy_logprobs_match_log_softmax(model_name: str) -> None:
                 assert v == pytest.approx(position[t], abs=1e-4)
 
 
+def test_prompt_logprobs_match_log_softmax_of_transformers(model_name: str) -> None:
+    """vLLM's prompt_logprobs: each prompt token's logprob given the tokens before it (None for the first), with
+    its top alternatives, as transformers' logits at the position before it give them; in one prefill, in chunks
+    of 5 tokens, and for a prompt the context cache already holds (computed again, not taken from the cache)."""
+    rows = expected(model_name)["rows"]
+    logits = expected_logits(model_name)
+    for kw in ({}, {"max_prefill_tokens": 5}):
+        coord = coordinator(model_name, **kw)
+        for _ in range(2):  # the second round's prompts are cached, but must still be scored
+            responses = coord.dispatch_request([row_request(r, greedy(2, prompt_logprobs=3)) for r in rows])
+            for i, (row, resp) in enumerate(zip(rows, responses)):
+                ref = log_softmax(logits[f"logits_{i}"])
+                prompt = row["prompt_ids"]
+                assert resp.output_ids == row["greedy_ids"][:2] and resp.cached_prompt_tokens == 0
+                assert resp.prompt_logprobs is not None and len(resp.prompt_logprobs) == len(prompt)
+                assert resp.prompt_logprobs[0] is None
+                for p, lp in enumerate(resp.prompt_logprobs[1:]):
+                    assert lp is not None and lp.token_id == prompt[p + 1]
+                    assert lp.logprob == pytest.approx(ref[p][lp.token_id], abs=1e-4), (model_name, kw, i, p)
+                    assert [t for t, _ in lp.top] == list(np.argsort(-ref[p], kind="stable")[:3])
+                    for t, v in lp.top:
+                        assert v == pytest.approx(ref[p][t], abs=1e-4)
+                assert resp.logprobs is None
+        # The prompts were cached all along: a request without prompt_logprobs takes them from the cache.
+        longest = max(rows, key=lambda r: len(r["prompt_ids"]))
+        (hit,) = coord.dispatch_request([row_request(longest, greedy(1))])
+        assert hit.cached_prompt_tokens > 0
+    # prompt_logprobs=0: the prompt tokens' own logprobs without alternatives; none unless asked.
+    (zero,) = coordinator(model_name).dispatch_request([row_request(rows[0], greedy(1, prompt_logprobs=0))])
+    assert zero.prompt_logprobs is not None and all(lp is not None and lp.top == [] for lp in zero.prompt_logprobs[1:])
+    (plain,) = coordinator(model_name).dispatch_request([row_request(rows[0], greedy(1))])
+    assert plain.prompt_logprobs is None
+
+
 def test_no_logprobs_unless_asked() -> None:
     resp = coordinator().dispatch_request([stepllm.GenerationRequest("Hello", greedy(3))])[0]
     assert resp.logprobs is None

@@ -195,6 +195,24 @@ def test_logprobs_match_transformers_bf16(shape: tuple[str, Path]) -> None:
         assert abs(value - want) < tol, (name, tok, value, want, tol)
 
 
+def test_prompt_logprobs_match_transformers_bf16(models_dir: Path) -> None:
+    """Prompt logprobs on the GPU against transformers' teacher-forced logits: a 1,000-token prompt of the Qwen3
+    shape, whose 152k vocabulary caps a step at about 440 scored positions (three chunks), beside a short prompt."""
+    path = gpu_models.make("qwen3", models_dir)
+    long = [(37 * i + 11) % 5000 + 3 for i in range(1000)]
+    prompts = [long, PROMPT]
+    refs = hf_logits(path, prompts)
+    outs = coordinator(path, "cuda").dispatch_request([stepllm.GenerationRequest(p, greedy(1, prompt_logprobs=2)) for p in prompts])
+    for prompt, out, ref in zip(prompts, outs, refs):
+        assert out.prompt_logprobs is not None and len(out.prompt_logprobs) == len(prompt) and out.prompt_logprobs[0] is None
+        want = torch.log_softmax(ref, -1)
+        for p, lp in enumerate(out.prompt_logprobs[1:]):
+            token = prompt[p + 1]
+            assert lp is not None and lp.token_id == token and len(lp.top) == 2
+            tol = logprob_tol(ref[p], token) + 0.03 * abs(want[p, token].item())
+            assert abs(lp.logprob - want[p, token].item()) < tol, (len(prompt), p, lp.logprob, want[p, token].item(), tol)
+
+
 def test_gpu_greedy_matches_transformers(shape: tuple[str, Path]) -> None:
     import transformers
 

@@ -156,3 +156,19 @@ def test_tp_shards_a_gguf_and_keeps_its_blocks():
     assert [r.output_ids for r in tp.generate(prompts, params)] == want
     f32_bytes = 4 * single.info()["parameters"]
     assert single.info()["weight_bytes"] < tp.info()["weight_bytes"] < 1.05 * single.info()["weight_bytes"] < f32_bytes
+
+
+def test_prompt_logprobs_and_sampling_under_tensor_parallelism():
+    """Prompt logprobs come from every rank's gathered logits, and a seeded draw in the same step is rank 0's,
+    broadcast: TP = 2 gives TP = 1's scores and tokens."""
+    rows = expected("llama")["rows"]
+    params = stepllm.SamplingParams(max_tokens=6, temperature=0.8, seed=5, ignore_eos=True, prompt_logprobs=2, min_tokens=6)
+    requests = [row_request(r, params) for r in rows]
+    single = stepllm.RuntimeCoordinator(config("llama")).dispatch_request(requests)
+    tp = stepllm.RuntimeCoordinator(tp_config("llama", 2)).dispatch_request(requests)
+    for a, b in zip(single, tp):
+        assert a.output_ids == b.output_ids
+        assert a.prompt_logprobs is not None and b.prompt_logprobs is not None
+        assert [p.token_id for p in a.prompt_logprobs[1:]] == [p.token_id for p in b.prompt_logprobs[1:]]
+        for p, q in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:]):
+            assert p.logprob == pytest.approx(q.logprob, abs=1e-4) and [t for t, _ in p.top] == [t for t, _ in q.top]

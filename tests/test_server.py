@@ -308,6 +308,21 @@ def test_echo_and_chat_without_max_tokens(server: BackgroundServer, llm: stepllm
     client = sync_client(server)
     r = client.completions.create(model="qwen2", prompt="Hello", max_tokens=5, temperature=0, echo=True)
     assert r.choices[0].text == "Hello" + llm.generate("Hello", greedy(5))[0].output_text
+    # echo with logprobs scores the prompt too (lm-eval's loglikelihood): its first token has none, as in OpenAI.
+    prompt = "The capital of France is"
+    want = llm.generate(prompt, greedy(2, logprobs=2, prompt_logprobs=2))[0]
+    r = client.completions.create(model="qwen2", prompt=prompt, max_tokens=2, temperature=0, echo=True, logprobs=2)
+    lp = r.choices[0].logprobs
+    assert want.prompt_logprobs is not None and want.logprobs is not None and lp is not None
+    n = len(want.prompt_ids)
+    assert lp.tokens == [llm.engine.decode_token(t) for t in want.prompt_ids + want.output_ids]
+    assert lp.token_logprobs == [None] + [p.logprob for p in want.prompt_logprobs[1:]] + [g.logprob for g in want.logprobs]
+    assert lp.top_logprobs is not None and lp.top_logprobs[0] is None and all(len(t) >= 1 for t in lp.top_logprobs[1:])
+    assert lp.text_offset is not None and lp.text_offset[0] == 0 and lp.text_offset[n] == len(prompt)
+    assert r.choices[0].text == prompt + want.output_text
+    # max_tokens=1 with echo, as lm-eval sends it: the prompt scored, one token generated.
+    one = client.completions.create(model="qwen2", prompt=prompt, max_tokens=1, temperature=0, echo=True, logprobs=0)
+    assert one.choices[0].logprobs is not None and one.choices[0].logprobs.token_logprobs == lp.token_logprobs[: n + 1]
     # No limit given: the reply may run until the context is full (the fixture's is 256 tokens).
     c = client.chat.completions.create(model="qwen2", messages=CHAT, temperature=0, extra_body={"ignore_eos": True})
     # As vLLM: all that the prompt leaves of the context (earlier, up to half of it was lost to a halving search).

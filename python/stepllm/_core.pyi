@@ -172,6 +172,8 @@ class BatchResult:
     @property
     def logprobs(self) -> list[TokenLogprob] | None: ...
     @property
+    def prompt_logprobs(self) -> list[TokenLogprob | None] | None: ...
+    @property
     def cached_prompt_tokens(self) -> int: ...
     @property
     def error(self) -> str | None: ...
@@ -258,7 +260,9 @@ class SamplingParams:
     random seed per request], repetition_penalty [1.0], presence_penalty [0.0], frequency_penalty [0.0],
     logit_bias [none; token id -> bias in [-100, 100]], logprobs [None = none; up to 20 alternatives],
     stop [none; a str or a list of str], stop_token_ids [none], ignore_eos [False], skip_special_tokens [True],
-    min_tokens [0; at most max_tokens], include_stop_str_in_output [False].
+    min_tokens [0; at most max_tokens], include_stop_str_in_output [False], prompt_logprobs [None = none; up to 20
+    alternatives: each prompt token's logprob given what precedes it, in GenerationResponse.prompt_logprobs; such a
+    request computes its whole prompt, without the context cache's hits].
     The token that ends a request (an EOS, or one of stop_token_ids) stays in output_ids but adds no text. As in
     vLLM, until min_tokens tokens are generated EOS and stop_token_ids cannot be sampled and a stop string that
     ends inside their text does not stop the request; include_stop_str_in_output keeps the stop string that ended
@@ -284,6 +288,7 @@ class SamplingParams:
         skip_special_tokens: bool | None = None,
         min_tokens: int | None = None,
         include_stop_str_in_output: bool | None = None,
+        prompt_logprobs: int | None = None,
     ) -> SamplingParams: ...
     @property
     def max_tokens(self) -> int: ...
@@ -319,6 +324,8 @@ class SamplingParams:
     def min_tokens(self) -> int: ...
     @property
     def include_stop_str_in_output(self) -> bool: ...
+    @property
+    def prompt_logprobs(self) -> int | None: ...
     @property
     def is_greedy(self) -> bool: ...
     def __eq__(self, other: object, /) -> bool: ...
@@ -363,6 +370,7 @@ class GenerationResponse:
         logprobs: Sequence[TokenLogprob] | None = None,
         cached_prompt_tokens: int = 0,
         error: str | None = None,
+        prompt_logprobs: Sequence[TokenLogprob | None] | None = None,
     ) -> GenerationResponse: ...
     @property
     def request_id(self) -> int: ...
@@ -380,6 +388,9 @@ class GenerationResponse:
     def stop_reason(self) -> str | None: ...
     @property
     def logprobs(self) -> list[TokenLogprob] | None: ...
+    @property
+    def prompt_logprobs(self) -> list[TokenLogprob | None] | None:
+        """With SamplingParams.prompt_logprobs: one entry per prompt token, None for the first (vLLM's layout)."""
     @property
     def cached_prompt_tokens(self) -> int: ...
     @property

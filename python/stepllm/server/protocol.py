@@ -92,6 +92,10 @@ class _Sampling(_Strict):
     def requested_logprobs(self) -> int | None:
         return None
 
+    def requested_prompt_logprobs(self) -> int | None:
+        """Alternatives per prompt token when the response scores the prompt (completions' echo with logprobs)."""
+        return None
+
     @property
     def samples(self) -> int:
         """Choices per prompt (`n`)."""
@@ -121,6 +125,7 @@ class _Sampling(_Strict):
                 frequency_penalty=self.frequency_penalty,
                 logit_bias={int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
                 logprobs=self.requested_logprobs(),
+                prompt_logprobs=self.requested_prompt_logprobs(),
                 stop=self.stop,
                 stop_token_ids=self.stop_token_ids,
                 ignore_eos=self.ignore_eos,
@@ -154,6 +159,9 @@ class CompletionRequest(_Sampling):
     def requested_logprobs(self) -> int | None:
         return self.logprobs
 
+    def requested_prompt_logprobs(self) -> int | None:
+        return self.logprobs if self.echo else None
+
     def prompts(self) -> list[str | TokenIds]:
         """The prompts in order: one string or token list, or a batch of either."""
         p = self.prompt
@@ -163,14 +171,9 @@ class CompletionRequest(_Sampling):
                 raise bad_request("prompt is empty: give at least one character or token", param="prompt")
             if self.echo and not isinstance(one, str):
                 raise bad_request("echo is supported for text prompts only", param="echo")
-        if self.echo and self.logprobs is not None:
-            # OpenAI's echo with logprobs scores the prompt's tokens too; giving the generated tokens' alone would
-            # be silently wrong for a caller that scores prompts (lm-eval's loglikelihood).
-            raise bad_request(
-                "echo with logprobs would need the prompt tokens' log-probabilities, which this server does not "
-                "compute; drop echo or logprobs",
-                param="echo",
-            )
+        if self.echo and self.logprobs is not None and self.stream:
+            # The prompt's logprobs come with the finished response, after the echo chunk a stream sends first.
+            raise bad_request("echo with logprobs is not supported in a stream; send it without stream", param="echo")
         return batch
 
     def prompt_count(self) -> int:

@@ -82,6 +82,8 @@ class Context:
             echo = self.echo(index)
             choice["text"] = echo + text
             choice["logprobs"] = self.completion_logprobs(response.logprobs, offset=len(echo))
+            if echo and response.prompt_logprobs is not None:
+                choice["logprobs"] = self._with_prompt_logprobs(response, choice["logprobs"])
         return choice
 
     def usage(self, responses: Sequence[GenerationResponse]) -> dict[str, Any]:
@@ -151,6 +153,26 @@ class Context:
             for lp in logprobs
         ]
         return {"content": content, "refusal": None}
+
+    def _with_prompt_logprobs(self, response: GenerationResponse, generated: dict[str, Any] | None) -> dict[str, Any]:
+        """The legacy logprobs of an echoed prompt followed by those of its completion, as OpenAI and vLLM give
+        them: the prompt's first token has no logprob (null) and no alternatives."""
+        tokens, token_logprobs, top, offsets = [], [], [], []
+        offset = 0
+        for token_id, lp in zip(response.prompt_ids, response.prompt_logprobs or []):
+            tok = self.token_text(token_id)
+            offsets.append(offset)
+            offset += len(tok)
+            tokens.append(tok)
+            token_logprobs.append(None if lp is None else lp.logprob)
+            top.append(None if lp is None else dict(self._top(lp)) or None)
+        rest = generated or {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        return {
+            "tokens": tokens + rest["tokens"],
+            "token_logprobs": token_logprobs + rest["token_logprobs"],
+            "top_logprobs": top + rest["top_logprobs"],
+            "text_offset": offsets + rest["text_offset"],
+        }
 
     def completion_logprobs(self, logprobs: Sequence[TokenLogprob] | None, offset: int = 0) -> dict[str, Any] | None:
         if logprobs is None:

@@ -34,6 +34,9 @@ pub struct SamplingParams {
     pub logit_bias: Vec<(u32, f32)>,
     /// Return this many top alternatives per generated token (None: no logprobs at all).
     pub logprobs: Option<usize>,
+    /// Return each prompt token's logprob and this many top alternatives at its position (vLLM's
+    /// prompt_logprobs; None: none). Such a request computes its whole prompt, cached or not.
+    pub prompt_logprobs: Option<usize>,
     pub stop: Vec<String>,
     pub stop_token_ids: Vec<u32>,
     pub ignore_eos: bool,
@@ -59,6 +62,7 @@ impl Default for SamplingParams {
             frequency_penalty: 0.0,
             logit_bias: Vec::new(),
             logprobs: None,
+            prompt_logprobs: None,
             stop: Vec::new(),
             stop_token_ids: Vec::new(),
             ignore_eos: false,
@@ -104,9 +108,9 @@ impl SamplingParams {
         }
         check_finite_range("presence_penalty", self.presence_penalty, -2.0, 2.0)?;
         check_finite_range("frequency_penalty", self.frequency_penalty, -2.0, 2.0)?;
-        if let Some(n) = self.logprobs {
-            if n > MAX_LOGPROBS {
-                return invalid(format!("logprobs must be at most {MAX_LOGPROBS}, got {n}"));
+        for (name, n) in [("logprobs", self.logprobs), ("prompt_logprobs", self.prompt_logprobs)] {
+            if n.is_some_and(|n| n > MAX_LOGPROBS) {
+                return invalid(format!("{name} must be at most {MAX_LOGPROBS}, got {}", n.unwrap_or_default()));
             }
         }
         for &(_, bias) in &self.logit_bias {
@@ -184,6 +188,8 @@ pub struct GenerationResponse {
     /// The stop string or stop token that ended generation, if one did.
     pub stop_reason: Option<String>,
     pub logprobs: Option<Vec<TokenLogprob>>,
+    /// With `prompt_logprobs`: one entry per prompt token, None for the first (vLLM's layout).
+    pub prompt_logprobs: Option<Vec<Option<TokenLogprob>>>,
     pub cached_prompt_tokens: usize,
     pub error: Option<String>,
 }

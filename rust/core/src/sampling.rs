@@ -38,6 +38,21 @@ impl RowContext<'_> {
     }
 }
 
+/// A logits row kept to score a prompt token (vLLM's prompt_logprobs), not sampled: the token that follows its
+/// position and how many top alternatives to report.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ScoreRow {
+    pub token_id: u32,
+    pub top: usize,
+}
+
+/// Scores `scores.len()` rows of width `vocab` laid out back to back, in parallel: each row's token logprob and
+/// its top alternatives, from the raw logits as a sampled token's logprobs.
+pub fn score_rows(logits: &[f32], vocab: usize, scores: &[ScoreRow]) -> Vec<TokenLogprob> {
+    assert_eq!(logits.len(), vocab * scores.len(), "score_rows: logits must hold one row per score");
+    logits.par_chunks(vocab).zip(scores.par_iter()).map(|(row, s)| token_logprob(row, s.token_id, s.top)).collect()
+}
+
 #[derive(Debug, Clone, PartialEq)]
 pub struct Sampled {
     pub token_id: u32,

@@ -46,6 +46,8 @@ pub struct SequenceRow {
     pub seed: u64,
     pub stream: TextStream,
     pub logprobs: Option<Vec<TokenLogprob>>,
+    /// With `prompt_logprobs`: the prompt tokens' logprobs computed so far (None for the first token).
+    pub prompt_logprobs: Option<Vec<Option<TokenLogprob>>>,
     /// The ids that end the sequence (EOS unless ignored, stop_token_ids), kept only while `min_tokens` bans
     /// them; empty otherwise.
     pub ending_ids: Vec<u32>,
@@ -75,6 +77,12 @@ impl SequenceRow {
         } else {
             &[]
         }
+    }
+
+    /// A seated row's prompt positions whose logits this step scores for prompt logprobs: each of its chunk's
+    /// positions followed by a prompt token (position p gives the logprob of token p + 1).
+    pub fn scored_positions(&self) -> std::ops::Range<usize> {
+        self.computed..self.prefill_end.min(self.prompt_ids.len().saturating_sub(1)).max(self.computed)
     }
 
     /// Whether this step samples a token for the row: a running row always, a seated one with its last chunk.
@@ -117,6 +125,7 @@ impl SequenceRow {
             finish_reason: ending.reason,
             stop_reason: ending.stop_reason,
             logprobs: self.logprobs,
+            prompt_logprobs: self.prompt_logprobs,
             cached_prompt_tokens: self.cached_prompt_tokens,
             error: ending.error,
         }

@@ -52,6 +52,8 @@ pub struct BatchResult {
     pub finish_reason: FinishReason,
     pub stop_reason: Option<String>,
     pub logprobs: Option<Vec<TokenLogprob>>,
+    /// With `prompt_logprobs`: one entry per prompt token, None for the first.
+    pub prompt_logprobs: Option<Vec<Option<TokenLogprob>>>,
     pub cached_prompt_tokens: usize,
     pub error: Option<String>,
 }
@@ -114,6 +116,7 @@ impl AdmissionIntent {
             finish_reason: reason,
             stop_reason: None,
             logprobs: None,
+            prompt_logprobs: None,
             cached_prompt_tokens: 0,
             error,
         }

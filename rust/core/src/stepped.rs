@@ -72,6 +72,7 @@ pub fn materialize(result: &BatchResult, stop_strings: &[String]) -> GenerationR
         finish_reason: result.finish_reason,
         stop_reason,
         logprobs: result.logprobs.clone(),
+        prompt_logprobs: result.prompt_logprobs.clone(),
         cached_prompt_tokens: result.cached_prompt_tokens,
         error: result.error.clone(),
     }

@@ -8,7 +8,7 @@ use crate::error::{protocol, Error, Result};
 use crate::ids::{ResidentRef, SequenceIdentity, StepId};
 use crate::model::{ForwardBatch, ModelRunner, SeqSlice, StepTiming};
 use crate::request::{FinishReason, SamplingParams};
-use crate::sampling::{resolve_seed, Sampled};
+use crate::sampling::{resolve_seed, Sampled, ScoreRow};
 use crate::session::{Ending, GenerationSession, Phase, SequenceRow};
 use crate::state::budget::{BlockBudget, Reservation};
 use crate::state::context_cache::{extra_key, CommitPolicy, ContextCacheConfig};
@@ -58,6 +58,8 @@ pub struct RuntimeStepper {
     /// The last step's forward order (`forward_order`) and its sort keys, refilled by the next one.
     order_scratch: Vec<ResidentRef>,
     order_keys: Vec<(u64, ResidentRef)>,
+    /// The step's prompt positions scored for prompt logprobs, after its sampled rows in `logits_for`.
+    scores: Vec<ScoreRow>,
     /// The step's rows that ended without being computed (cancelled before it, `end_latched`): the commit
     /// reports them beside its participants, so it need not look through every slot for ended rows.
     ended_unscheduled: Vec<ResidentRef>,
@@ -79,6 +81,7 @@ impl RuntimeStepper {
             batch_scratch: ForwardBatch::default(),
             order_scratch: Vec::new(),
             order_keys: Vec::new(),
+            scores: Vec::new(),
             ended_unscheduled: Vec::new(),
             config,
         })
@@ -137,9 +140,11 @@ impl RuntimeStepper {
     fn seat(&mut self, intent: AdmissionIntent) -> Result<AdmissionResult> {
         let sampling = &intent.request.sampling;
         let key = extra_key(intent.request.lora_name.as_deref(), intent.request.cache_salt.as_deref());
+        // Prompt logprobs need every prompt position's logits, so such a request computes its whole prompt.
+        let reuse_cached = sampling.prompt_logprobs.is_none();
         if self.slots.free_count() == 0 {
             // A request that can never fit is rejected even while every slot is taken, not asked to retry.
-            if let Some(why) = self.budget.never_fits(&intent.prompt_ids, sampling.max_tokens, key) {
+            if let Some(why) = self.budget.never_fits(&intent.prompt_ids, sampling.max_tokens, key, reuse_cached) {
                 return Ok(AdmissionResult::rejected(why));
             }
             return Ok(AdmissionResult::no_capacity(format!(
@@ -147,7 +152,7 @@ impl RuntimeStepper {
                 self.slots.capacity()
             )));
         }
-        let lease = match self.budget.reserve(&intent.prompt_ids, sampling.max_tokens, key) {
+        let lease = match self.budget.reserve(&intent.prompt_ids, sampling.max_tokens, key, reuse_cached) {
             Reservation::Granted(lease) => lease,
             Reservation::NoCapacity(why) => return Ok(AdmissionResult::no_capacity(why)),
             Reservation::Rejected(why) => return Ok(AdmissionResult::rejected(why)),
@@ -164,6 +169,8 @@ impl RuntimeStepper {
                 sampling.min_tokens,
             ),
             logprobs: sampling.logprobs.map(|_| Vec::new()),
+            // The first prompt token has no logprob (nothing precedes it), as in vLLM.
+            prompt_logprobs: sampling.prompt_logprobs.map(|_| vec![None]),
             ending_ids: self.ending_ids_banned_by_min_tokens(sampling),
             sampling: intent.request.sampling,
             computed: lease.cached_tokens,
@@ -347,7 +354,7 @@ impl RuntimeStepper {
         }
         let tokens = &prompt_ids[..full];
         let key = extra_key(None, None);
-        let mut lease = match self.budget.reserve(tokens, 0, key) {
+        let mut lease = match self.budget.reserve(tokens, 0, key, true) {
             Reservation::Granted(lease) => lease,
             Reservation::NoCapacity(why) => return protocol(format!("cannot cache the system prompt now: {why}")),
             Reservation::Rejected(why) => return crate::error::invalid(format!("the system prompt cannot be cached: {why}")),
@@ -485,12 +492,17 @@ impl RuntimeStepper {
         self.batch_scratch = batch;
         let timing = self.runner.last_step_timing();
         let result = match outcome {
-            Ok(sampled) => {
+            Ok((sampled, scored)) => {
                 let mut sampled = sampled.into_iter();
+                let mut scored = scored.into_iter();
                 order
                     .iter()
                     .try_for_each(|r| {
                         let row = self.row_mut(*r)?;
+                        let scored_here = row.scored_positions().len();
+                        if let Some(list) = row.prompt_logprobs.as_mut().filter(|_| row.phase == Phase::Seated) {
+                            list.extend(scored.by_ref().take(scored_here).map(Some));
+                        }
                         let samples = row.samples();
                         row.computed = match row.phase {
                             Phase::Seated => row.prefill_end,

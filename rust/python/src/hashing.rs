@@ -112,11 +112,12 @@ impl HashValue for TokenDelta {
 }
 fields!(SamplingParams: max_tokens, temperature, top_k, top_p, min_p, seed, repetition_penalty, presence_penalty,
     frequency_penalty, logit_bias, logprobs, stop, stop_token_ids, ignore_eos, skip_special_tokens, min_tokens,
-    include_stop_str_in_output);
+    include_stop_str_in_output, prompt_logprobs);
 fields!(GenerationRequest: prompt, sampling, add_special_tokens, cache_salt, lora_name);
 fields!(GenerationResponse: request_id, original_index, prompt_ids, output_ids, output_text, finish_reason, stop_reason,
-    logprobs, cached_prompt_tokens, error);
-fields!(BatchResult: identity, prompt_ids, output_ids, text, finish_reason, stop_reason, logprobs, cached_prompt_tokens, error);
+    logprobs, prompt_logprobs, cached_prompt_tokens, error);
+fields!(BatchResult: identity, prompt_ids, output_ids, text, finish_reason, stop_reason, logprobs, prompt_logprobs,
+    cached_prompt_tokens, error);
 fields!(StepResult: ok, work, step_id, participants, execution, deltas, finished, published_prefix);
 fields!(AdmissionIntent: request_id, original_index, request, prompt_ids);
 fields!(ParallelConfig: tensor_parallel_size, devices);

@@ -79,6 +79,11 @@ impl PyTokenLogprob {
         v.as_ref()
             .map(|l| l.iter().cloned().map(PyTokenLogprob).collect())
     }
+
+    /// Prompt logprobs: None for the first prompt token, as vLLM.
+    pub fn prompt_list(v: &Option<Vec<Option<TokenLogprob>>>) -> Option<Vec<Option<PyTokenLogprob>>> {
+        v.as_ref().map(|l| l.iter().map(|t| t.clone().map(PyTokenLogprob)).collect())
+    }
 }
 
 #[pymethods]
@@ -144,7 +149,7 @@ impl PySamplingParams {
     #[pyo3(signature = (*, max_tokens=None, temperature=None, top_k=None, top_p=None, min_p=None, seed=None,
         repetition_penalty=None, presence_penalty=None, frequency_penalty=None, logit_bias=None, logprobs=None,
         stop=None, stop_token_ids=None, ignore_eos=None, skip_special_tokens=None, min_tokens=None,
-        include_stop_str_in_output=None))]
+        include_stop_str_in_output=None, prompt_logprobs=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -165,6 +170,7 @@ impl PySamplingParams {
         skip_special_tokens: Option<bool>,
         min_tokens: Option<i128>,
         include_stop_str_in_output: Option<bool>,
+        prompt_logprobs: Option<i128>,
     ) -> PyResult<Self> {
         let mut p = SamplingParams::default();
         if let Some(v) = max_tokens {
@@ -225,6 +231,9 @@ impl PySamplingParams {
         }
         if let Some(v) = include_stop_str_in_output {
             p.include_stop_str_in_output = v;
+        }
+        if let Some(v) = prompt_logprobs {
+            p.prompt_logprobs = Some(uint(py, "prompt_logprobs", v)?);
         }
         p.validate().map_err(|e| to_py(py, e))?;
         Ok(Self(p))
@@ -303,6 +312,10 @@ impl PySamplingParams {
     fn include_stop_str_in_output(&self) -> bool {
         self.0.include_stop_str_in_output
     }
+    #[getter]
+    fn prompt_logprobs(&self) -> Option<usize> {
+        self.0.prompt_logprobs
+    }
     /// Whether sampling reduces to argmax (temperature 0 or top_k 1).
     #[getter]
     fn is_greedy(&self) -> bool {
@@ -319,7 +332,8 @@ impl PySamplingParams {
             "frequency_penalty" => self.0.frequency_penalty, "logit_bias" => self.logit_bias(),
             "logprobs" => self.0.logprobs, "stop" => self.stop(), "stop_token_ids" => self.stop_token_ids(),
             "ignore_eos" => self.0.ignore_eos, "skip_special_tokens" => self.0.skip_special_tokens,
-            "min_tokens" => self.0.min_tokens, "include_stop_str_in_output" => self.0.include_stop_str_in_output)
+            "min_tokens" => self.0.min_tokens, "include_stop_str_in_output" => self.0.include_stop_str_in_output,
+            "prompt_logprobs" => self.0.prompt_logprobs)
     }
 }
 
@@ -466,7 +480,7 @@ pub struct PyGenerationResponse(pub GenerationResponse);
 impl PyGenerationResponse {
     #[new]
     #[pyo3(signature = (request_id, original_index, prompt_ids, output_ids, output_text, finish_reason,
-        stop_reason=None, logprobs=None, cached_prompt_tokens=0, error=None))]
+        stop_reason=None, logprobs=None, cached_prompt_tokens=0, error=None, prompt_logprobs=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         request_id: u64,
@@ -479,6 +493,7 @@ impl PyGenerationResponse {
         logprobs: Option<Vec<PyTokenLogprob>>,
         cached_prompt_tokens: usize,
         error: Option<String>,
+        prompt_logprobs: Option<Vec<Option<PyTokenLogprob>>>,
     ) -> Self {
         Self(GenerationResponse {
             request_id,
@@ -489,6 +504,7 @@ impl PyGenerationResponse {
             finish_reason: finish_reason.into(),
             stop_reason,
             logprobs: logprobs.map(|l| l.into_iter().map(|t| t.0).collect()),
+            prompt_logprobs: prompt_logprobs.map(|l| l.into_iter().map(|t| t.map(|t| t.0)).collect()),
             cached_prompt_tokens,
             error,
         })
@@ -525,6 +541,11 @@ impl PyGenerationResponse {
     fn logprobs(&self) -> Option<Vec<PyTokenLogprob>> {
         PyTokenLogprob::list(&self.0.logprobs)
     }
+    /// With `prompt_logprobs`: one entry per prompt token, None for the first.
+    #[getter]
+    fn prompt_logprobs(&self) -> Option<Vec<Option<PyTokenLogprob>>> {
+        PyTokenLogprob::prompt_list(&self.0.prompt_logprobs)
+    }
     #[getter]
     fn cached_prompt_tokens(&self) -> usize {
         self.0.cached_prompt_tokens
@@ -541,7 +562,8 @@ impl PyGenerationResponse {
             "request_id" => self.0.request_id, "original_index" => self.0.original_index,
             "prompt_ids" => self.prompt_ids(), "output_ids" => self.output_ids(), "output_text" => self.output_text(),
             "finish_reason" => self.finish_reason(), "stop_reason" => self.stop_reason(), "logprobs" => self.logprobs(),
-            "cached_prompt_tokens" => self.0.cached_prompt_tokens, "error" => self.error())
+            "prompt_logprobs" => self.prompt_logprobs(), "cached_prompt_tokens" => self.0.cached_prompt_tokens,
+            "error" => self.error())
     }
 }
 

@@ -298,6 +298,11 @@ impl PyBatchResult {
     fn logprobs(&self) -> Option<Vec<PyTokenLogprob>> {
         PyTokenLogprob::list(&self.0.logprobs)
     }
+    /// With `prompt_logprobs`: one entry per prompt token, None for the first.
+    #[getter]
+    fn prompt_logprobs(&self) -> Option<Vec<Option<PyTokenLogprob>>> {
+        PyTokenLogprob::prompt_list(&self.0.prompt_logprobs)
+    }
     #[getter]
     fn cached_prompt_tokens(&self) -> usize {
         self.0.cached_prompt_tokens
@@ -313,7 +318,8 @@ impl PyBatchResult {
         py_repr!(py, "BatchResult",
             "identity" => self.identity(), "prompt_ids" => self.prompt_ids(), "output_ids" => self.output_ids(),
             "text" => self.text(), "finish_reason" => self.finish_reason(), "stop_reason" => self.stop_reason(),
-            "logprobs" => self.logprobs(), "cached_prompt_tokens" => self.0.cached_prompt_tokens, "error" => self.error())
+            "logprobs" => self.logprobs(), "prompt_logprobs" => self.prompt_logprobs(),
+            "cached_prompt_tokens" => self.0.cached_prompt_tokens, "error" => self.error())
     }
 }
 

@@ -421,6 +421,25 @@ impl<R: crate::model::ModelRunner> crate::model::ModelRunner for InRayonPool<R> 
         Self::run(move || inner.forward_and_sample(batch, rows))
     }
 
+    fn sample_host_logits(
+        &mut self,
+        logits: &mut [f32],
+        rows: &[crate::sampling::RowContext],
+    ) -> Result<Vec<crate::sampling::Sampled>> {
+        let inner = &mut self.0;
+        Self::run(move || inner.sample_host_logits(logits, rows))
+    }
+
+    fn forward_sample_and_score(
+        &mut self,
+        batch: &crate::model::ForwardBatch,
+        rows: &[crate::sampling::RowContext],
+        scores: &[crate::sampling::ScoreRow],
+    ) -> Result<(Vec<crate::sampling::Sampled>, Vec<crate::request::TokenLogprob>)> {
+        let inner = &mut self.0;
+        Self::run(move || inner.forward_sample_and_score(batch, rows, scores))
+    }
+
     fn device_description(&self) -> String {
         self.0.device_description()
     }

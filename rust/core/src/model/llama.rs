@@ -316,11 +316,19 @@ impl<B: Backend> ModelRunner for LlamaModel<B> {
         rows: &[crate::sampling::RowContext],
     ) -> Result<Vec<crate::sampling::Sampled>> {
         let mut logits = self.forward(batch)?;
+        self.sample_host_logits(&mut logits, rows)
+    }
+
+    fn sample_host_logits(
+        &mut self,
+        logits: &mut [f32],
+        rows: &[crate::sampling::RowContext],
+    ) -> Result<Vec<crate::sampling::Sampled>> {
         let vocab = self.config().vocab_size;
         let Some(tp) = &self.tp else {
-            return Ok(crate::sampling::sample_rows(&mut logits, vocab, rows));
+            return Ok(crate::sampling::sample_rows(logits, vocab, rows));
         };
-        let mine = (tp.hooks.rank() == 0).then(|| crate::sampling::sample_rows(&mut logits, vocab, rows));
+        let mine = (tp.hooks.rank() == 0).then(|| crate::sampling::sample_rows(logits, vocab, rows));
         tp.hooks.broadcast_sampled(mine)
     }
 

@@ -117,6 +117,33 @@ pub trait ModelRunner: Send {
         let mut logits = self.forward(batch)?;
         Ok(crate::sampling::sample_rows(&mut logits, self.config().vocab_size, rows))
     }
+    /// Sample one token per row of host `logits` (rows back to back). Runners under tensor parallelism override
+    /// it so that one rank samples and every rank commits its tokens.
+    fn sample_host_logits(
+        &mut self,
+        logits: &mut [f32],
+        rows: &[crate::sampling::RowContext],
+    ) -> Result<Vec<crate::sampling::Sampled>> {
+        Ok(crate::sampling::sample_rows(logits, self.config().vocab_size, rows))
+    }
+    /// [`forward_and_sample`](Self::forward_and_sample) for a batch whose `logits_for` lists the sampled rows
+    /// first and then one row per entry of `scores` (prompt tokens whose logprobs are wanted). Scoring needs
+    /// every such row's logits on the host; without scores this is `forward_and_sample`.
+    fn forward_sample_and_score(
+        &mut self,
+        batch: &ForwardBatch,
+        rows: &[crate::sampling::RowContext],
+        scores: &[crate::sampling::ScoreRow],
+    ) -> Result<(Vec<crate::sampling::Sampled>, Vec<crate::request::TokenLogprob>)> {
+        if scores.is_empty() {
+            return Ok((self.forward_and_sample(batch, rows)?, Vec::new()));
+        }
+        let mut logits = self.forward(batch)?;
+        let vocab = self.config().vocab_size;
+        let (sampled, scored) = logits.split_at_mut(rows.len() * vocab);
+        let scored = crate::sampling::score_rows(scored, vocab, scores);
+        Ok((self.sample_host_logits(sampled, rows)?, scored))
+    }
     /// Human-readable device and dtype, e.g. "cpu (f32)".
     fn device_description(&self) -> String;
     fn parameter_count(&self) -> usize;

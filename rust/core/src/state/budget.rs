@@ -63,9 +63,12 @@ impl BlockBudget {
     }
 
     /// Why a request can never be seated (more blocks than the cache holds beside its pinned blocks), if so.
-    pub fn never_fits(&self, prompt: &[u32], max_new_tokens: usize, extra: u64) -> Option<String> {
+    /// `reuse_cached`: whether the request may start from cached blocks of its prompt (a request that needs every
+    /// prompt position's logits computes them all).
+    pub fn never_fits(&self, prompt: &[u32], max_new_tokens: usize, extra: u64, reuse_cached: bool) -> Option<String> {
         let needed = self.blocks_for(prompt.len().saturating_add(max_new_tokens));
-        self.rejection(prompt, max_new_tokens, needed, &self.find_prefix(prompt, extra))
+        let hits = if reuse_cached { self.find_prefix(prompt, extra) } else { Vec::new() };
+        self.rejection(prompt, max_new_tokens, needed, &hits)
     }
 
     fn rejection(&self, prompt: &[u32], max_new_tokens: usize, needed: usize, hits: &[(u32, u64)]) -> Option<String> {
@@ -95,10 +98,10 @@ impl BlockBudget {
         })
     }
 
-    /// Reserve the whole generate budget, or change nothing.
-    pub fn reserve(&mut self, prompt: &[u32], max_new_tokens: usize, extra: u64) -> Reservation {
+    /// Reserve the whole generate budget, or change nothing; `reuse_cached` as in [`never_fits`](Self::never_fits).
+    pub fn reserve(&mut self, prompt: &[u32], max_new_tokens: usize, extra: u64, reuse_cached: bool) -> Reservation {
         let needed = self.blocks_for(prompt.len().saturating_add(max_new_tokens));
-        let hits = self.find_prefix(prompt, extra);
+        let hits = if reuse_cached { self.find_prefix(prompt, extra) } else { Vec::new() };
         if let Some(why) = self.rejection(prompt, max_new_tokens, needed, &hits) {
             return Reservation::Rejected(why);
         }
@@ -219,18 +222,18 @@ mod tests {
     #[test]
     fn never_fitting_request_is_rejected_and_transient_shortage_changes_nothing() {
         let mut b = budget(4);
-        assert!(matches!(b.reserve(&[1; 10], 10, 0), Reservation::Rejected(_)));
-        let _held = granted(b.reserve(&[1; 8], 4, 0));
+        assert!(matches!(b.reserve(&[1; 10], 10, 0, true), Reservation::Rejected(_)));
+        let _held = granted(b.reserve(&[1; 8], 4, 0, true));
         let before = b.counts();
-        assert!(matches!(b.reserve(&[2; 8], 4, 0), Reservation::NoCapacity(_)));
+        assert!(matches!(b.reserve(&[2; 8], 4, 0, true), Reservation::NoCapacity(_)));
         assert_eq!(b.counts(), before);
     }
 
     #[test]
     fn a_max_tokens_near_the_integer_limit_is_rejected_not_wrapped() {
         let mut b = budget(4);
-        assert!(matches!(b.reserve(&[1; 5], usize::MAX, 0), Reservation::Rejected(_)));
-        assert!(matches!(b.reserve(&[1; 20], usize::MAX - 16, 0), Reservation::Rejected(_)));
+        assert!(matches!(b.reserve(&[1; 5], usize::MAX, 0, true), Reservation::Rejected(_)));
+        assert!(matches!(b.reserve(&[1; 20], usize::MAX - 16, 0, true), Reservation::Rejected(_)));
         assert_eq!(b.counts().free_blocks, 4);
     }
 
@@ -238,19 +241,19 @@ mod tests {
     fn pinned_blocks_count_against_what_can_ever_fit() {
         let mut b = budget(6);
         let system: Vec<u32> = (0..16).collect();
-        let mut lease = granted(b.reserve(&system, 0, 0));
+        let mut lease = granted(b.reserve(&system, 0, 0, true));
         b.publish_computed(&system, &[], &mut lease, 16, 0, true);
         b.release(&lease.blocks);
         assert_eq!(b.counts().pinned_blocks, 4);
         assert_eq!(b.pinned_prefix_tokens(&lease), 16);
         // Three blocks never fit beside four pinned ones of six: rejected, not asked to retry.
-        let why = b.never_fits(&[9; 9], 3, 0).expect("cannot fit beside the pinned blocks");
+        let why = b.never_fits(&[9; 9], 3, 0, true).expect("cannot fit beside the pinned blocks");
         assert!(why.contains("4 of the KV cache's 6 blocks are pinned"), "{why}");
-        assert!(matches!(b.reserve(&[9; 9], 3, 0), Reservation::Rejected(_)));
+        assert!(matches!(b.reserve(&[9; 9], 3, 0, true), Reservation::Rejected(_)));
         // Extending the pinned prompt shares its four blocks: six in all fit.
         let extended: Vec<u32> = (0..20).collect();
-        assert!(b.never_fits(&extended, 4, 0).is_none());
-        let grant = granted(b.reserve(&extended, 4, 0));
+        assert!(b.never_fits(&extended, 4, 0, true).is_none());
+        let grant = granted(b.reserve(&extended, 4, 0, true));
         assert_eq!(grant.cached_tokens, 16);
     }
 
@@ -258,15 +261,15 @@ mod tests {
     fn published_prefix_is_hit_by_the_next_request() {
         let mut b = budget(8);
         let prompt: Vec<u32> = (0..9).collect();
-        let mut first = granted(b.reserve(&prompt, 2, 0));
+        let mut first = granted(b.reserve(&prompt, 2, 0, true));
         assert_eq!(first.cached_tokens, 0);
         assert!(b.publish_computed(&prompt, &[], &mut first, 9, 0, false));
         b.release(&first.blocks);
         assert_eq!(b.counts().cached_blocks, 2);
-        let second = granted(b.reserve(&prompt, 2, 0));
+        let second = granted(b.reserve(&prompt, 2, 0, true));
         assert_eq!(second.cached_tokens, 8);
         assert_eq!(&second.blocks[..2], &first.blocks[..2]);
-        let salted = granted(b.reserve(&prompt, 2, 7));
+        let salted = granted(b.reserve(&prompt, 2, 7, true));
         assert_eq!(salted.cached_tokens, 0);
     }
 
@@ -275,14 +278,14 @@ mod tests {
         let tokens: Vec<u32> = (0..14).collect();
         let whole = {
             let mut b = budget(8);
-            let mut lease = granted(b.reserve(&tokens, 2, 0));
+            let mut lease = granted(b.reserve(&tokens, 2, 0, true));
             b.publish_computed(&tokens, &[], &mut lease, 14, 0, false);
             lease.hashes
         };
         assert_eq!(whole.len(), 3);
         for split in 0..=tokens.len() {
             let mut b = budget(8);
-            let mut lease = granted(b.reserve(&tokens, 2, 0));
+            let mut lease = granted(b.reserve(&tokens, 2, 0, true));
             b.publish_computed(&tokens[..split], &tokens[split..], &mut lease, 14, 0, false);
             assert_eq!(lease.hashes, whole, "split at {split}");
         }
@@ -292,10 +295,10 @@ mod tests {
     fn whole_prompt_hit_still_leaves_one_token_to_compute() {
         let mut b = budget(8);
         let prompt: Vec<u32> = (0..8).collect();
-        let mut first = granted(b.reserve(&prompt, 1, 0));
+        let mut first = granted(b.reserve(&prompt, 1, 0, true));
         b.publish_computed(&prompt, &[], &mut first, 8, 0, false);
         b.release(&first.blocks);
-        let second = granted(b.reserve(&prompt, 1, 0));
+        let second = granted(b.reserve(&prompt, 1, 0, true));
         assert_eq!(second.cached_tokens, 4);
     }
 }

@@ -3,7 +3,8 @@
 use crate::ids::ResidentRef;
 use crate::model::{ForwardBatch, SeqSlice, DECODE_TABLE_LOOKAHEAD};
 use crate::request::FinishReason;
-use crate::sampling::{RowContext, Sampled};
+use crate::request::TokenLogprob;
+use crate::sampling::{RowContext, Sampled, ScoreRow};
 use crate::session::{Ending, Phase};
 use crate::step::SequenceWork;
 
@@ -12,7 +13,8 @@ use super::RuntimeStepper;
 impl RuntimeStepper {
     /// The ragged batch: each sequence's tokens of this step (`SequenceRow::query`), their positions and its
     /// block table (a running row's with the reserved blocks of `DECODE_TABLE_LOOKAHEAD`), and the logits of the
-    /// rows that sample. It is built in the previous step's batch
+    /// rows that sample, then of the prompt positions scored for prompt logprobs (`self.scores`). It is built in
+    /// the previous step's batch
     /// (`batch_scratch`, handed back after the forward) to reuse its allocations.
     pub(super) fn plan_forward(&mut self, refs: &[ResidentRef]) -> ForwardBatch {
         let mut fb = std::mem::take(&mut self.batch_scratch);
@@ -20,6 +22,7 @@ impl RuntimeStepper {
         fb.positions.clear();
         fb.logits_for.clear();
         fb.seqs.truncate(refs.len());
+        let mut scoring = Vec::new();
         for (i, r) in refs.iter().enumerate() {
             let row = self.session.get(*r).expect("validated");
             let query = row.query();
@@ -42,6 +45,18 @@ impl RuntimeStepper {
             seq.block_table.extend_from_slice(&row.lease.blocks[..table_len]);
             if row.samples() {
                 fb.logits_for.push(start + query.len() - 1);
+            }
+            if row.phase == Phase::Seated && row.sampling.prompt_logprobs.is_some() {
+                scoring.push((i, *r));
+            }
+        }
+        self.scores.clear();
+        for (i, r) in scoring {
+            let row = self.session.get(r).expect("validated");
+            let top = row.sampling.prompt_logprobs.unwrap_or_default();
+            for p in row.scored_positions() {
+                fb.logits_for.push(fb.seqs[i].start + p - row.computed);
+                self.scores.push(ScoreRow { token_id: row.prompt_ids[p + 1], top });
             }
         }
         fb
@@ -82,9 +97,13 @@ impl RuntimeStepper {
         order
     }
 
-    /// Forward then sample every row that samples (`SequenceRow::samples`), in order; an Err carries the ending
-    /// that every participant latches.
-    pub(super) fn run_and_sample(&mut self, fb: &ForwardBatch, refs: &[ResidentRef]) -> std::result::Result<Vec<Sampled>, Ending> {
+    /// Forward then sample every row that samples (`SequenceRow::samples`), in order, and score the prompt
+    /// positions of `self.scores`; an Err carries the ending that every participant latches.
+    pub(super) fn run_and_sample(
+        &mut self,
+        fb: &ForwardBatch,
+        refs: &[ResidentRef],
+    ) -> std::result::Result<(Vec<Sampled>, Vec<TokenLogprob>), Ending> {
         // Sized for every row up front: a filtered iterator would grow the Vec a few times each tick.
         let mut ctxs: Vec<RowContext> = Vec::with_capacity(refs.len());
         for r in refs {
@@ -100,7 +119,7 @@ impl RuntimeStepper {
                 });
             }
         }
-        self.runner.forward_and_sample(fb, &ctxs).map_err(|e| Ending {
+        self.runner.forward_sample_and_score(fb, &ctxs, &self.scores).map_err(|e| Ending {
             reason: FinishReason::Error,
             stop_reason: None,
             error: Some(e.to_string()),

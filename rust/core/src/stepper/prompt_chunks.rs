@@ -10,16 +10,26 @@ use crate::step::{ScheduledSequenceDescriptor, SequenceWork};
 
 use super::RuntimeStepper;
 
+/// Host memory a step may spend on the f32 logits of prompt positions scored for prompt logprobs: a prompt that
+/// asks for them takes chunks of at most this many positions' logits (about 440 for a 152k vocabulary).
+const SCORED_LOGITS_BYTES: usize = 256 << 20;
+
 impl RuntimeStepper {
     /// Give the seated `targets` (none cancelled), in admission order, their prompt chunks for this step: each
-    /// takes what is left of its prompt, up to what is left of the step's `max_prefill_tokens`. Returns the
-    /// targets with a chunk: the step's prefill participants.
+    /// takes what is left of its prompt, up to what is left of the step's `max_prefill_tokens` (and, for prompts
+    /// whose logprobs are wanted, of the step's scored positions). Returns the targets with a chunk: the step's
+    /// prefill participants.
     pub(super) fn schedule_prompt_chunks(&mut self, targets: &[ResidentRef]) -> Result<Vec<ResidentRef>> {
         let mut budget = self.config.max_prefill_tokens;
+        let mut scored_budget = (SCORED_LOGITS_BYTES / (4 * self.runner.config().vocab_size)).max(1);
         let mut participants = Vec::with_capacity(targets.len());
         for &r in targets {
             let row = self.row_mut(r)?;
-            let chunk = (row.prompt_ids.len() - row.computed).min(budget);
+            let mut chunk = (row.prompt_ids.len() - row.computed).min(budget);
+            if row.sampling.prompt_logprobs.is_some() {
+                chunk = chunk.min(scored_budget);
+                scored_budget -= chunk;
+            }
             row.prefill_end = row.computed + chunk;
             budget -= chunk;
             if chunk > 0 {

@@ -247,6 +247,10 @@ impl ModelRunner for CudaRankRunner {
         self.model.forward_and_sample(batch, rows)
     }
 
+    fn sample_host_logits(&mut self, logits: &mut [f32], rows: &[RowContext]) -> Result<Vec<Sampled>> {
+        self.model.sample_host_logits(logits, rows)
+    }
+
     fn device_description(&self) -> String {
         let path = match self.all_reduce {
             AllReducePath::Nccl => "NCCL",
