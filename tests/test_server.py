@@ -320,6 +320,9 @@ def test_echo_and_chat_without_max_tokens(server: BackgroundServer, llm: stepllm
     assert lp.top_logprobs is not None and lp.top_logprobs[0] is None and all(len(t) >= 1 for t in lp.top_logprobs[1:])
     assert lp.text_offset is not None and lp.text_offset[0] == 0 and lp.text_offset[n] == len(prompt)
     assert r.choices[0].text == prompt + want.output_text
+    # Token-id prompts echo their decoded text and score the same (lm-eval sends ids).
+    ids = client.completions.create(model="qwen2", prompt=want.prompt_ids, max_tokens=2, temperature=0, echo=True, logprobs=2)
+    assert ids.choices[0].text == prompt + want.output_text and ids.choices[0].logprobs == lp
     # max_tokens=1 with echo, as lm-eval sends it: the prompt scored, one token generated.
     one = client.completions.create(model="qwen2", prompt=prompt, max_tokens=1, temperature=0, echo=True, logprobs=0)
     assert one.choices[0].logprobs is not None and one.choices[0].logprobs.token_logprobs == lp.token_logprobs[: n + 1]

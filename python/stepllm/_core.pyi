@@ -672,6 +672,8 @@ class Engine:
     def count_prompt_tokens(self, request: GenerationRequest) -> int: ...
     def decode_token(self, token_id: int) -> str:
         """The text of one token id, special tokens included."""
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        """The text of token ids, special tokens included unless skipped."""
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes of one token id: part of a UTF-8 character for a token whose text alone is U+FFFD."""
     def cancel(self, request_id: int) -> None: ...

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from . import _core
 from ._core import Config, GenerationRequest, RequestStream
@@ -37,6 +37,9 @@ class Engine:
 
     def decode_token(self, token_id: int) -> str:
         return self._engine.decode_token(token_id)
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        return self._engine.decode(token_ids, skip_special_tokens)
 
     def token_bytes(self, token_id: int) -> bytes:
         return self._engine.token_bytes(token_id)

@@ -205,8 +205,12 @@ async def _generate(request: Request, kind: Kind) -> Response:
         req: AnyRequest = parse(ChatCompletionRequest if kind == "chat" else CompletionRequest, await read_body(request))
         state.check_model(req.model)
         state.check_capacity(req.choice_count())
-        echoes = req.echo_texts() if isinstance(req, CompletionRequest) else []
         handles = state.submit(endpoint, req, arrived)
+        try:  # after submit, which refuses token ids outside the vocabulary
+            echoes = req.echo_texts(state.engine.decode) if isinstance(req, CompletionRequest) else []
+        except BaseException:
+            cancel_all(handles)()
+            raise
     except APIError as e:
         state.metrics.refused(endpoint, _refusal_outcome(e.status))
         raise

@@ -9,7 +9,7 @@ request per choice: `n` per prompt, and /v1/completions takes a batch of prompts
 
 from __future__ import annotations
 
-from typing import Any, Literal, Union
+from typing import Any, Callable, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -169,8 +169,6 @@ class CompletionRequest(_Sampling):
         for one in batch:
             if isinstance(one, list) and not one:
                 raise bad_request("prompt is empty: give at least one character or token", param="prompt")
-            if self.echo and not isinstance(one, str):
-                raise bad_request("echo is supported for text prompts only", param="echo")
         if self.echo and self.logprobs is not None and self.stream:
             # The prompt's logprobs come with the finished response, after the echo chunk a stream sends first.
             raise bad_request("echo with logprobs is not supported in a stream; send it without stream", param="echo")
@@ -179,9 +177,11 @@ class CompletionRequest(_Sampling):
     def prompt_count(self) -> int:
         return len(self.prompts())
 
-    def echo_texts(self) -> list[str]:
-        """Each prompt's text when the completions echo their prompts (prompts() refuses echo of token ids), else none."""
-        return [p for p in self.prompts() if isinstance(p, str)] if self.echo else []
+    def echo_texts(self, decode: Callable[[list[int]], str]) -> list[str]:
+        """Each prompt's text when the completions echo their prompts (token ids through `decode`), else none."""
+        if not self.echo:
+            return []
+        return [p if isinstance(p, str) else decode(p) for p in self.prompts()]
 
     def generation_requests(self, max_tokens: int | None) -> list[GenerationRequest]:
         """One request per choice: each prompt's `n` samples, prompt by prompt (choice i is prompt i // n)."""

@@ -105,7 +105,12 @@ impl RequestEngine {
 
     /// The text of one token, special tokens included.
     pub fn decode_token(&self, token_id: u32) -> Result<String> {
-        self.intents.tokenizer.decode(&[token_id], false)
+        self.decode(&[token_id], false)
+    }
+
+    /// The text of a token sequence (a prompt given as ids, echoed by the server).
+    pub fn decode(&self, token_ids: &[u32], skip_special_tokens: bool) -> Result<String> {
+        self.intents.tokenizer.decode(token_ids, skip_special_tokens)
     }
 
     /// The bytes of one token, which may be part of a UTF-8 character (see `Tokenizer::token_bytes`).

@@ -116,6 +116,12 @@ impl PyEngine {
         compute(py, || read(&self.inner).as_ref().ok_or_else(shut_down)?.decode_token(token_id))
     }
 
+    /// The text of token ids (special tokens included unless skipped).
+    #[pyo3(signature = (token_ids, skip_special_tokens=false))]
+    fn decode(&self, py: Python<'_>, token_ids: Vec<u32>, skip_special_tokens: bool) -> PyResult<String> {
+        compute(py, || read(&self.inner).as_ref().ok_or_else(shut_down)?.decode(&token_ids, skip_special_tokens))
+    }
+
     /// The bytes of one token id, which may be part of a UTF-8 character (logprobs `bytes`).
     fn token_bytes<'py>(&self, py: Python<'py>, token_id: u32) -> PyResult<Bound<'py, PyBytes>> {
         let bytes = compute(py, || read(&self.inner).as_ref().ok_or_else(shut_down)?.token_bytes(token_id))?;
