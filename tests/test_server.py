@@ -348,6 +348,20 @@ def test_a_reply_sent_back_in_the_next_turn_is_accepted(server: BackgroundServer
     assert second.choices[0].message.content == llm.chat(history, greedy(4))[0].output_text
 
 
+def test_tokenize_and_detokenize(server: BackgroundServer, llm: stepllm.LLM) -> None:
+    """vLLM's /tokenize and /detokenize: the ids a completion or chat request would run, and text back from ids."""
+    with http(server) as c:
+        r = c.post("/tokenize", json={"model": "qwen2", "prompt": "The capital of France is"})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        want = llm.generate("The capital of France is", greedy(1))[0].prompt_ids
+        assert body["tokens"] == want and body["count"] == len(want) and body["max_model_len"] == 256
+        chat = c.post("/tokenize", json={"messages": CHAT}).json()
+        assert chat["tokens"] == llm.chat(CHAT, greedy(1))[0].prompt_ids
+        back = c.post("/detokenize", json={"model": "qwen2", "tokens": want})
+        assert back.status_code == 200 and back.json() == {"prompt": "The capital of France is"}
+
+
 def test_request_id_is_echoed(server: BackgroundServer) -> None:
     client = sync_client(server)
     raw = client.completions.with_raw_response.create(

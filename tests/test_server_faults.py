@@ -163,6 +163,13 @@ BAD_BODIES: list[tuple[str, bytes | dict[str, Any], str | None]] = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, None),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, None),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": 1}, "logprobs"),
+    ("/tokenize", {}, None),
+    ("/tokenize", {"prompt": "hi", "messages": [{"role": "user", "content": "hi"}]}, None),
+    ("/tokenize", {"prompt": "hi", "extra": 1}, "extra"),
+    ("/tokenize", {"messages": [{"role": "user", "content": "hi"}], "add_generation_prompt": False}, None),
+    ("/detokenize", {"tokens": [999999]}, None),
+    ("/detokenize", {"tokens": [-1]}, "tokens"),
+    ("/detokenize", {"tokens": "hi"}, "tokens"),
 ]
 
 

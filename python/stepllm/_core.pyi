@@ -670,6 +670,8 @@ class Engine:
         """`progress(done, total)` is called as the weights load."""
     def submit(self, request: GenerationRequest) -> RequestStream: ...
     def count_prompt_tokens(self, request: GenerationRequest) -> int: ...
+    def tokenize(self, request: GenerationRequest) -> list[int]:
+        """The token ids of the request's prompt as the model sees it (chat template applied)."""
     def decode_token(self, token_id: int) -> str:
         """The text of one token id, special tokens included."""
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = False) -> str:

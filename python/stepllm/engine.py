@@ -35,6 +35,9 @@ class Engine:
     def count_prompt_tokens(self, request: GenerationRequest) -> int:
         return self._engine.count_prompt_tokens(request)
 
+    def tokenize(self, request: GenerationRequest) -> list[int]:
+        return self._engine.tokenize(request)
+
     def decode_token(self, token_id: int) -> str:
         return self._engine.decode_token(token_id)
 

@@ -25,7 +25,7 @@ from . import errors
 from . import metrics as m
 from .bridge import EngineLike, GenerationHandle
 from .errors import APIError
-from .protocol import ChatCompletionRequest, CompletionRequest, parse
+from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, parse
 from .responses import Context, Kind, TokenBytes, TokenText
 from .streaming import EventStreamResponse, engine_error_message, stream_events, wait_unless_disconnected
 
@@ -281,6 +281,35 @@ async def models(request: Request) -> Response:
     return JSONResponse({"object": "list", "data": [card]})
 
 
+async def tokenize(request: Request) -> Response:
+    """vLLM's /tokenize: the prompt's token ids as a completion or chat request would see them."""
+    state, req = await _authorized_body(request, TokenizeRequest)
+    tokens = await _on_engine_thread(state.engine.tokenize, req.generation_request())
+    return JSONResponse({"count": len(tokens), "max_model_len": state.info["max_model_len"], "tokens": tokens, "token_strs": None})
+
+
+async def detokenize(request: Request) -> Response:
+    """vLLM's /detokenize: token ids back to text."""
+    state, req = await _authorized_body(request, DetokenizeRequest)
+    return JSONResponse({"prompt": await _on_engine_thread(state.engine.decode, req.tokens, param="tokens")})
+
+
+async def _authorized_body(request: Request, model: type[Any]) -> tuple[ServerState, Any]:
+    state = state_of(request)
+    state.authorize(request)
+    req = parse(model, await read_body(request))
+    state.check_model(req.model)
+    return state, req
+
+
+async def _on_engine_thread(call: Callable[..., Any], *args: Any, param: str | None = None) -> Any:
+    """`call(*args)` off the event loop (it may wait for the engine's tokenizer); bad input is a 400."""
+    try:
+        return await asyncio.to_thread(call, *args)
+    except (InvalidRequestError, OverflowError) as e:
+        raise errors.bad_request(str(e), param=param, code="invalid_value") from None
+
+
 async def health(request: Request) -> Response:
     state = state_of(request)
     if getattr(state.engine, "is_shut_down", False):
@@ -326,6 +355,8 @@ def create_app(
             Route("/v1/completions", completions, methods=["POST"]),
             Route("/v1/chat/completions", chat_completions, methods=["POST"]),
             Route("/v1/models", models, methods=["GET"]),
+            Route("/tokenize", tokenize, methods=["POST"]),
+            Route("/detokenize", detokenize, methods=["POST"]),
             Route("/health", health, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),
         ],

@@ -256,8 +256,7 @@ class ChatCompletionRequest(_Sampling):
         return (self.top_logprobs or 0) if self.logprobs else None
 
     def conversation(self) -> list[dict[str, str]]:
-        # Chat templates know system/user/assistant; OpenAI's newer "developer" role is a system message.
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
+        return conversation_of(self.messages)
 
     def generation_requests(self, max_tokens: int | None) -> list[GenerationRequest]:
         """One request per choice: the conversation's `n` samples."""
@@ -265,7 +264,42 @@ class ChatCompletionRequest(_Sampling):
         return [GenerationRequest(conversation, self.sampling_params(max_tokens, sample)) for sample in range(self.samples)]
 
 
-def parse(model: type[CompletionRequest] | type[ChatCompletionRequest], body: bytes) -> Any:
+def conversation_of(messages: list[ChatMessage]) -> list[dict[str, str]]:
+    # Chat templates know system/user/assistant; OpenAI's newer "developer" role is a system message.
+    return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in messages]
+
+
+class TokenizeRequest(_Strict):
+    """vLLM's /tokenize: a text prompt, or chat messages rendered through the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool | None = True
+
+    @model_validator(mode="after")
+    def _one_prompt(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give either prompt or messages")
+        if self.add_generation_prompt is False:
+            raise ValueError("add_generation_prompt false is not supported: chat prompts end with the assistant's turn")
+        return self
+
+    def generation_request(self) -> GenerationRequest:
+        if self.messages is not None:
+            return GenerationRequest(conversation_of(self.messages))
+        return GenerationRequest(self.prompt, add_special_tokens=self.add_special_tokens is not False)
+
+
+class DetokenizeRequest(_Strict):
+    """vLLM's /detokenize: token ids back to text (special tokens included)."""
+
+    model: str | None = None
+    tokens: list[int] = Field(min_length=0)
+
+
+def parse(model: type[_Strict], body: bytes) -> Any:
     """Validate a raw JSON body; every failure is a 400 with an OpenAI error body."""
     if not body.strip():
         raise bad_request("The request body is empty; send a JSON object.", code="invalid_json")
@@ -280,4 +314,4 @@ def parse(model: type[CompletionRequest] | type[ChatCompletionRequest], body: by
         raise from_validation(e) from None
 
 
-__all__ = ["APIError", "ChatCompletionRequest", "CompletionRequest", "StreamOptions", "parse"]
+__all__ = ["APIError", "ChatCompletionRequest", "CompletionRequest", "DetokenizeRequest", "StreamOptions", "TokenizeRequest", "parse"]

@@ -458,7 +458,12 @@ impl RuntimeCoordinator {
     }
 
     pub fn count_prompt_tokens(&self, request: &GenerationRequest) -> Result<usize> {
-        Ok(self.intents.prompt_ids(request)?.len())
+        Ok(self.prompt_ids(request)?.len())
+    }
+
+    /// The token ids a request's prompt becomes (chat template applied, special tokens as the request asks).
+    pub fn prompt_ids(&self, request: &GenerationRequest) -> Result<Vec<u32>> {
+        self.intents.prompt_ids(request)
     }
 
     /// Run a whole batch to completion; responses in request order. Invalid requests raise before anything

@@ -111,6 +111,11 @@ impl PyEngine {
         compute(py, || read(&self.inner).as_ref().ok_or_else(shut_down)?.coordinator().count_prompt_tokens(&request.0))
     }
 
+    /// The token ids of a request's prompt as the model will see it (chat template applied).
+    fn tokenize(&self, py: Python<'_>, request: PyGenerationRequest) -> PyResult<Vec<u32>> {
+        compute(py, || read(&self.inner).as_ref().ok_or_else(shut_down)?.coordinator().prompt_ids(&request.0))
+    }
+
     /// The text of one token id, special tokens included (for logprob displays).
     fn decode_token(&self, py: Python<'_>, token_id: u32) -> PyResult<String> {
         compute(py, || read(&self.inner).as_ref().ok_or_else(shut_down)?.decode_token(token_id))
