@@ -128,10 +128,12 @@ class ServerState:
             return self._start_all(req.generation_requests(limit), arrived, on_end)
         # As vLLM: what the context leaves after the prompt (a prompt that leaves nothing is refused with the
         # engine's reason).
-        first = req.generation_requests(1)[0]
+        # The conversation is tokenized once: its choices run the ids.
+        assert isinstance(req, ChatCompletionRequest)
+        prompt_ids = self.engine.tokenize(req.generation_requests(1)[0])
         context = min(int(self.info["max_model_len"]), int(self.info["kv_cache_tokens"]))
-        limit = min(self.chat_default_max_tokens, context - self.engine.count_prompt_tokens(first))
-        return self._start_all(req.generation_requests(max(limit, 1)), arrived, on_end)
+        limit = min(self.chat_default_max_tokens, context - len(prompt_ids))
+        return self._start_all(req.generation_requests(max(limit, 1), prompt_ids), arrived, on_end)
 
     def _start_all(
         self, requests: list[GenerationRequest], arrived: float, on_end: Callable[[GenerationHandle], None]

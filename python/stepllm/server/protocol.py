@@ -258,10 +258,10 @@ class ChatCompletionRequest(_Sampling):
     def conversation(self) -> list[dict[str, str]]:
         return conversation_of(self.messages)
 
-    def generation_requests(self, max_tokens: int | None) -> list[GenerationRequest]:
-        """One request per choice: the conversation's `n` samples."""
-        conversation = self.conversation()
-        return [GenerationRequest(conversation, self.sampling_params(max_tokens, sample)) for sample in range(self.samples)]
+    def generation_requests(self, max_tokens: int | None, prompt_ids: list[int] | None = None) -> list[GenerationRequest]:
+        """One request per choice: the conversation's `n` samples (as `prompt_ids` when it is already tokenized)."""
+        prompt: Any = self.conversation() if prompt_ids is None else prompt_ids
+        return [GenerationRequest(prompt, self.sampling_params(max_tokens, sample)) for sample in range(self.samples)]
 
 
 def conversation_of(messages: list[ChatMessage]) -> list[dict[str, str]]:
