@@ -132,6 +132,17 @@ def test_engine_cancel_by_id_and_of_waiting_requests() -> None:
         queued_response = queued.wait()
         assert queued_response.finish_reason == stepllm.FinishReason.CANCELLED
         wait_idle(engine)
+    # The counts are published before a cancelled waiting request's response is sent.
+    with long_engine(max_batch_size=1) as engine:
+        running = engine.submit(long_request())
+        queued = engine.submit(long_request())
+        next(iter(running))
+        engine.cancel(queued.request_id)
+        assert queued.wait().finish_reason == stepllm.FinishReason.CANCELLED
+        stats = engine.stats()
+        assert (stats["waiting"], stats["running"]) == (0, 1), stats
+        running.cancel()
+        wait_idle(engine)
 
 
 def test_dropping_a_stream_frees_its_slot(engine: stepllm.Engine) -> None:

@@ -205,8 +205,10 @@ impl Actor {
     fn cancel(&mut self, id: RequestId) {
         if let Some(pos) = self.waiting.iter().position(|(i, _)| i.request_id == id) {
             let (intent, events) = self.waiting.remove(pos).expect("position is valid");
-            let _ = events.send(EngineEvent::Finished(intent.unstarted_response(FinishReason::Cancelled, None)));
             self.count_finish(FinishReason::Cancelled);
+            // As in `deliver`: stats() right after the caller hears of it must not list it as waiting.
+            self.publish_stats();
+            let _ = events.send(EngineEvent::Finished(intent.unstarted_response(FinishReason::Cancelled, None)));
         } else if let Some(run) = self.running.get(&id) {
             let _ = self.stepper.cancel(run.resident);
         }
