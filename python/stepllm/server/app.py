@@ -127,8 +127,7 @@ class ServerState:
                 )
             return self._start_all(req.generation_requests(limit), arrived, on_end)
         # As vLLM: what the context leaves after the prompt (a prompt that leaves nothing is refused with the
-        # engine's reason).
-        # The conversation is tokenized once: its choices run the ids.
+        # engine's reason). The conversation is tokenized once: its choices run the ids.
         assert isinstance(req, ChatCompletionRequest)
         prompt_ids = self.engine.tokenize(req.generation_requests(1)[0])
         context = min(int(self.info["max_model_len"]), int(self.info["kv_cache_tokens"]))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Literal, Sequence
+from typing import Any, Callable, Iterable, Literal, Sequence
 
 from .._core import FinishReason, GenerationResponse, TokenLogprob
 
@@ -83,7 +83,9 @@ class Context:
             choice["text"] = echo + text
             choice["logprobs"] = self.completion_logprobs(response.logprobs, offset=len(echo))
             if echo and response.prompt_logprobs is not None:
-                choice["logprobs"] = self._with_prompt_logprobs(response, choice["logprobs"])
+                # As OpenAI and vLLM: the echoed prompt's tokens first, the first of them with no logprob (null).
+                prompt = self._legacy_logprobs(zip(response.prompt_ids, response.prompt_logprobs), offset=0)
+                choice["logprobs"] = {key: prompt[key] + (choice["logprobs"] or {}).get(key, []) for key in prompt}
         return choice
 
     def usage(self, responses: Sequence[GenerationResponse]) -> dict[str, Any]:
@@ -154,37 +156,22 @@ class Context:
         ]
         return {"content": content, "refusal": None}
 
-    def _with_prompt_logprobs(self, response: GenerationResponse, generated: dict[str, Any] | None) -> dict[str, Any]:
-        """The legacy logprobs of an echoed prompt followed by those of its completion, as OpenAI and vLLM give
-        them: the prompt's first token has no logprob (null) and no alternatives."""
+    def completion_logprobs(self, logprobs: Sequence[TokenLogprob] | None, offset: int = 0) -> dict[str, Any] | None:
+        if logprobs is None:
+            return None
+        return self._legacy_logprobs(((lp.token_id, lp) for lp in logprobs), offset)
+
+    def _legacy_logprobs(self, entries: Iterable[tuple[int, TokenLogprob | None]], offset: int) -> dict[str, Any]:
+        """The completions shape of (token id, logprob) entries whose text starts at `offset`; an entry without a
+        logprob (an echoed prompt's first token) has null for its logprob and alternatives."""
         tokens, token_logprobs, top, offsets = [], [], [], []
-        offset = 0
-        for token_id, lp in zip(response.prompt_ids, response.prompt_logprobs or []):
+        for token_id, lp in entries:
             tok = self.token_text(token_id)
             offsets.append(offset)
             offset += len(tok)
             tokens.append(tok)
             token_logprobs.append(None if lp is None else lp.logprob)
             top.append(None if lp is None else dict(self._top(lp)) or None)
-        rest = generated or {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-        return {
-            "tokens": tokens + rest["tokens"],
-            "token_logprobs": token_logprobs + rest["token_logprobs"],
-            "top_logprobs": top + rest["top_logprobs"],
-            "text_offset": offsets + rest["text_offset"],
-        }
-
-    def completion_logprobs(self, logprobs: Sequence[TokenLogprob] | None, offset: int = 0) -> dict[str, Any] | None:
-        if logprobs is None:
-            return None
-        tokens, token_logprobs, top, offsets = [], [], [], []
-        for lp in logprobs:
-            tok = self.token_text(lp.token_id)
-            offsets.append(offset)
-            offset += len(tok)
-            tokens.append(tok)
-            token_logprobs.append(lp.logprob)
-            top.append(dict(self._top(lp)) or None)
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
 
 

@@ -109,8 +109,8 @@ impl SamplingParams {
         check_finite_range("presence_penalty", self.presence_penalty, -2.0, 2.0)?;
         check_finite_range("frequency_penalty", self.frequency_penalty, -2.0, 2.0)?;
         for (name, n) in [("logprobs", self.logprobs), ("prompt_logprobs", self.prompt_logprobs)] {
-            if n.is_some_and(|n| n > MAX_LOGPROBS) {
-                return invalid(format!("{name} must be at most {MAX_LOGPROBS}, got {}", n.unwrap_or_default()));
+            if let Some(n) = n.filter(|&n| n > MAX_LOGPROBS) {
+                return invalid(format!("{name} must be at most {MAX_LOGPROBS}, got {n}"));
             }
         }
         for &(_, bias) in &self.logit_bias {

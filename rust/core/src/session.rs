@@ -79,10 +79,18 @@ impl SequenceRow {
         }
     }
 
-    /// A seated row's prompt positions whose logits this step scores for prompt logprobs: each of its chunk's
-    /// positions followed by a prompt token (position p gives the logprob of token p + 1).
+    /// The prompt positions whose logits this step scores for prompt logprobs: each of a seated row's chunk
+    /// positions followed by a prompt token (position p gives the logprob of token p + 1); none once running.
     pub fn scored_positions(&self) -> std::ops::Range<usize> {
         self.computed..self.prefill_end.min(self.prompt_ids.len().saturating_sub(1)).max(self.computed)
+    }
+
+    /// Take this step's scores of the row's `scored_positions` from the step's scores, in forward order.
+    pub fn record_prompt_logprobs(&mut self, scored: &mut impl Iterator<Item = TokenLogprob>) {
+        let n = self.scored_positions().len();
+        if let Some(list) = self.prompt_logprobs.as_mut() {
+            list.extend(scored.take(n).map(Some));
+        }
     }
 
     /// Whether this step samples a token for the row: a running row always, a seated one with its last chunk.

@@ -499,10 +499,7 @@ impl RuntimeStepper {
                     .iter()
                     .try_for_each(|r| {
                         let row = self.row_mut(*r)?;
-                        let scored_here = row.scored_positions().len();
-                        if let Some(list) = row.prompt_logprobs.as_mut().filter(|_| row.phase == Phase::Seated) {
-                            list.extend(scored.by_ref().take(scored_here).map(Some));
-                        }
+                        row.record_prompt_logprobs(&mut scored);
                         let samples = row.samples();
                         row.computed = match row.phase {
                             Phase::Seated => row.prefill_end,

@@ -67,8 +67,16 @@ impl BlockBudget {
     /// prompt position's logits computes them all).
     pub fn never_fits(&self, prompt: &[u32], max_new_tokens: usize, extra: u64, reuse_cached: bool) -> Option<String> {
         let needed = self.blocks_for(prompt.len().saturating_add(max_new_tokens));
-        let hits = if reuse_cached { self.find_prefix(prompt, extra) } else { Vec::new() };
-        self.rejection(prompt, max_new_tokens, needed, &hits)
+        self.rejection(prompt, max_new_tokens, needed, &self.usable_prefix(prompt, extra, reuse_cached))
+    }
+
+    /// The cached blocks a request may start from: [`find_prefix`](Self::find_prefix)'s, or none.
+    fn usable_prefix(&self, prompt: &[u32], extra: u64, reuse_cached: bool) -> Vec<(u32, u64)> {
+        if reuse_cached {
+            self.find_prefix(prompt, extra)
+        } else {
+            Vec::new()
+        }
     }
 
     fn rejection(&self, prompt: &[u32], max_new_tokens: usize, needed: usize, hits: &[(u32, u64)]) -> Option<String> {
@@ -101,7 +109,7 @@ impl BlockBudget {
     /// Reserve the whole generate budget, or change nothing; `reuse_cached` as in [`never_fits`](Self::never_fits).
     pub fn reserve(&mut self, prompt: &[u32], max_new_tokens: usize, extra: u64, reuse_cached: bool) -> Reservation {
         let needed = self.blocks_for(prompt.len().saturating_add(max_new_tokens));
-        let hits = if reuse_cached { self.find_prefix(prompt, extra) } else { Vec::new() };
+        let hits = self.usable_prefix(prompt, extra, reuse_cached);
         if let Some(why) = self.rejection(prompt, max_new_tokens, needed, &hits) {
             return Reservation::Rejected(why);
         }

@@ -22,7 +22,8 @@ impl RuntimeStepper {
         fb.positions.clear();
         fb.logits_for.clear();
         fb.seqs.truncate(refs.len());
-        let mut scoring = Vec::new();
+        self.scores.clear();
+        let mut scored_logits = Vec::new(); // allocates only in a step that scores prompt positions
         for (i, r) in refs.iter().enumerate() {
             let row = self.session.get(*r).expect("validated");
             let query = row.query();
@@ -46,19 +47,14 @@ impl RuntimeStepper {
             if row.samples() {
                 fb.logits_for.push(start + query.len() - 1);
             }
-            if row.phase == Phase::Seated && row.sampling.prompt_logprobs.is_some() {
-                scoring.push((i, *r));
+            if let Some(top) = row.sampling.prompt_logprobs {
+                for p in row.scored_positions() {
+                    scored_logits.push(start + p - row.computed);
+                    self.scores.push(ScoreRow { token_id: row.prompt_ids[p + 1], top });
+                }
             }
         }
-        self.scores.clear();
-        for (i, r) in scoring {
-            let row = self.session.get(r).expect("validated");
-            let top = row.sampling.prompt_logprobs.unwrap_or_default();
-            for p in row.scored_positions() {
-                fb.logits_for.push(fb.seqs[i].start + p - row.computed);
-                self.scores.push(ScoreRow { token_id: row.prompt_ids[p + 1], top });
-            }
-        }
+        fb.logits_for.append(&mut scored_logits);
         fb
     }
 
