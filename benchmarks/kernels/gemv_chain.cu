@@ -9,10 +9,11 @@
 // projection-chain experiment (projection_chain.cu here: a layer's O, gate/up, down and the next QKV as one
 // kernel with grid barriers, against the four bulk kernels, both behind a stand-in for the attention). With
 // the argument `mlp`, only the MLP as one kernel (mlp_fused.cu here) against its two bulk GEMVs: agreement,
-// determinism, and µs per layer. Built and run on the GPU machine:
+// determinism, and µs per layer. With `l2`, the L2 experiment (l2_section below). Built and run on the GPU
+// machine:
 //
 //   nvcc -arch=sm_90 -DSTEPLLM_PDL -O3 -std=c++17 -I kernels -o /tmp/gemv_chain benchmarks/kernels/gemv_chain.cu
-//   /tmp/gemv_chain [mlp]
+//   /tmp/gemv_chain [mlp | l2]
 #include "gemv.cu"
 #include "gemv_bulk.cu"
 #include "projection_chain.cu"
@@ -200,6 +201,7 @@ double time_graph(const Gpu& g, Record record, int reps = 200) {
 }
 
 void mlp_section(Gpu& g, std::vector<Layer>& layers, bf16* h, float* norm);
+void l2_section(Gpu& g, std::vector<Layer>& layers, bf16* h, float* norm);
 
 int main(int argc, char** argv) {
     Gpu g = {};
@@ -228,6 +230,10 @@ int main(int argc, char** argv) {
 
     if (argc > 1 && std::string(argv[1]) == "mlp") {
         mlp_section(g, layers, h, norm);
+        return 0;
+    }
+    if (argc > 1 && std::string(argv[1]) == "l2") {
+        l2_section(g, layers, h, norm);
         return 0;
     }
     const double bytes_layer = 2.0 * ((double)QKV * HIDDEN + (double)HIDDEN * Q + 2.0 * FF * HIDDEN + (double)HIDDEN * FF);
@@ -505,5 +511,120 @@ void mlp_section(Gpu& g, std::vector<Layer>& layers, bf16* h, float* norm) {
             printf("round %d, %s: layer (stand-in attention, O, MLP, next QKV) %.2f us; MLP alone %.2f us\n", round,
                    fused ? "MLP as one kernel" : "gate/up + down GEMVs", layer, mlp);
         }
+    }
+}
+
+// The L2 experiment: is the batch-1 chain waiting on DRAM or on its own round trips? The same layer chain as the
+// runtime's (a stand-in attention, then O, gate/up, down and the next QKV as bulk GEMVs), timed three ways: with
+// 28 layers of distinct weights (as the runtime), with every layer reading layer 0's weights (31 MB, so they stay
+// in L2: the chain's bound if weights arrived at no cost), and with distinct weights plus a side kernel that
+// prefetches the coming weights into L2 (cp.async.bulk.prefetch.L2), paced by the layer the chain has reached,
+// which the stand-in attention publishes. (The same prefetcher inside the runtime, paced by marks the bulk GEMVs
+// publish, is on the branch l2-prefetch; benchmarks/RESULTS.md has both: slower.)
+extern "C" __global__ void standin_attention_marking(const bf16* qkv, bf16* att, int n, unsigned* progress, unsigned layer) {
+    if (blockIdx.x == 0 && threadIdx.x == 0) atomicMax(progress, layer + 1);
+    kernel_begin();
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) att[i] = qkv[i];
+}
+
+struct PrefetchItem {
+    const unsigned char* p;
+    unsigned bytes;
+    unsigned after;  // issued once the chain's progress is at least this
+};
+
+extern "C" __global__ void l2_prefetcher(const PrefetchItem* items, int count, const unsigned* progress) {
+    const unsigned CHUNK = 16384;
+    for (int i = 0; i < count; i++) {
+        const PrefetchItem it = items[i];
+        while (*(volatile const unsigned*)progress < it.after) __nanosleep(256);
+        for (unsigned off = (blockIdx.x * blockDim.x + threadIdx.x) * CHUNK; off < it.bytes;
+             off += gridDim.x * blockDim.x * CHUNK) {
+            const unsigned n = it.bytes - off < CHUNK ? it.bytes - off : CHUNK;
+            asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(it.p + off), "r"(n) : "memory");
+        }
+    }
+}
+
+void l2_section(Gpu& g, std::vector<Layer>& layers, bf16* h, float* norm) {
+    int l2 = 0;
+    CK(cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, 0));
+    printf("GPU: %d SMs, L2 %d MB\n", g.sms, l2 >> 20);
+    g.bulk = true, g.fit = false, g.stage_bytes = 49152, g.ring_bytes = 98304, g.cap = 4, g.pdl = true;
+    bf16 *qkv, *att, *act;
+    unsigned* progress;
+    PrefetchItem* items_dev;
+    CK(cudaMalloc(&qkv, QKV * 2));
+    CK(cudaMalloc(&att, Q * 2));
+    CK(cudaMalloc(&act, FF * 2));
+    CK(cudaMalloc(&progress, 4));
+    CK(cudaMalloc(&items_dev, 8 * LAYERS * sizeof(PrefetchItem)));
+    fill_random<<<16, 256>>>(att, Q, 21, 2.0f);
+    cudaStream_t side;
+    CK(cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking));
+    cudaEvent_t fork, join;
+    CK(cudaEventCreateWithFlags(&fork, cudaEventDisableTiming));
+    CK(cudaEventCreateWithFlags(&join, cudaEventDisableTiming));
+    const std::vector<Layer> same(LAYERS, layers[0]);
+    int q_width = Q;
+    const size_t QKV_B = (size_t)QKV * HIDDEN * 2, O_B = (size_t)HIDDEN * Q * 2, GU_B = (size_t)2 * FF * HIDDEN * 2,
+                 DOWN_B = (size_t)HIDDEN * FF * 2;
+    // Prefetch plans. "next layer": when the attention of layer l - 1 starts, all of layer l. "rolling": when the
+    // attention of layer l starts, its gate/up and down, then the next layer's QKV and O.
+    auto plan = [&](int kind) {
+        std::vector<PrefetchItem> it;
+        auto add = [&](const bf16* p, size_t b, unsigned after) { it.push_back({(const unsigned char*)p, (unsigned)b, after}); };
+        if (kind == 0) {
+            for (int l = 0; l < LAYERS; l++) {
+                add(layers[l].qkv, QKV_B, l), add(layers[l].o, O_B, l), add(layers[l].gu, GU_B, l), add(layers[l].down, DOWN_B, l);
+            }
+        } else {
+            add(layers[0].qkv, QKV_B, 0), add(layers[0].o, O_B, 0);
+            for (int l = 0; l < LAYERS; l++) {
+                add(layers[l].gu, GU_B, l + 1), add(layers[l].down, DOWN_B, l + 1);
+                if (l + 1 < LAYERS) add(layers[l + 1].qkv, QKV_B, l + 1), add(layers[l + 1].o, O_B, l + 1);
+            }
+        }
+        return it;
+    };
+    auto chain = [&](const std::vector<Layer>& ls, int prefetch_kind, int prefetch_blocks) {
+        int count = 0;
+        if (prefetch_kind >= 0) {
+            const std::vector<PrefetchItem> it = plan(prefetch_kind);
+            count = (int)it.size();
+            CK(cudaMemcpy(items_dev, it.data(), it.size() * sizeof(PrefetchItem), cudaMemcpyHostToDevice));
+        }
+        return time_graph(g, [&] {
+                   CK(cudaMemsetAsync(progress, 0, 4, g.stream));
+                   if (prefetch_kind >= 0) {
+                       CK(cudaEventRecord(fork, g.stream));
+                       CK(cudaStreamWaitEvent(side, fork, 0));
+                       l2_prefetcher<<<prefetch_blocks, 32, 0, side>>>(items_dev, count, progress);
+                       CK(cudaGetLastError());
+                   }
+                   gemv(g, NORM_STORE, 1, h, norm, ls[0].qkv, qkv, QKV, HIDDEN);
+                   for (int l = 0; l < LAYERS; l++) {
+                       unsigned layer = l;
+                       void* args[] = {&qkv, &att, &q_width, &progress, &layer};
+                       launch(g, (const void*)standin_attention_marking, dim3(8), dim3(256), 0, args);
+                       gemv(g, PLAIN_ADD, 1, att, nullptr, ls[l].o, h, HIDDEN, Q);
+                       gemv(g, NORM_SILU, 1, h, norm, ls[l].gu, act, 2 * FF, HIDDEN);
+                       gemv(g, PLAIN_ADD, 1, act, nullptr, ls[l].down, h, HIDDEN, FF);
+                       gemv(g, NORM_STORE, 1, h, norm, ls[(l + 1) % LAYERS].qkv, qkv, QKV, HIDDEN);
+                   }
+                   if (prefetch_kind >= 0) {
+                       CK(cudaEventRecord(join, side));
+                       CK(cudaStreamWaitEvent(g.stream, join, 0));
+                   }
+               }) /
+               LAYERS;
+    };
+    for (int round = 0; round < 2; round++) {
+        printf("round %d, us per layer: distinct %.2f | shared (L2-resident) %.2f", round, chain(layers, -1, 0),
+               chain(same, -1, 0));
+        for (int kind : {0, 1})
+            for (int blocks : {4, 16, 64})
+                printf(" | prefetch %s x%d %.2f", kind ? "rolling" : "next-layer", blocks, chain(layers, kind, blocks));
+        printf("\n");
     }
 }
