@@ -47,6 +47,10 @@ def test_records_with_floats_hash_by_value() -> None:
     r1 = stepllm.GenerationResponse(1, 0, [1], [2], "a", stepllm.FinishReason.EOS, logprobs=[a])
     r2 = stepllm.GenerationResponse(1, 0, [1], [2], "a", stepllm.FinishReason.EOS, logprobs=[b])
     assert r1 == r2 and len({r1, r2}) == 1
+    c1, c2 = stepllm.StreamChunk([2], "a", prompt_logprobs=[None, a]), stepllm.StreamChunk([2], "a", prompt_logprobs=[None, b])
+    assert c1.prompt_logprobs == [None, a] and c1 == c2 and hash(c1) == hash(c2)
+    assert c1 != stepllm.StreamChunk([2], "a") and stepllm.StreamChunk([2], "a").prompt_logprobs is None
+    assert stepllm.TokenDelta([2], "a", prompt_logprobs=[None, a]).prompt_logprobs == [None, a]
     assert hash(stepllm.SamplingParams(temperature=0.5)) == hash(stepllm.SamplingParams(temperature=0.5))
     assert stepllm.SamplingParams(temperature=0.5) != stepllm.SamplingParams(temperature=0.6)
     req = stepllm.GenerationRequest([{"role": "user", "content": "x"}], greedy(2))

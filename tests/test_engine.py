@@ -325,3 +325,18 @@ def test_stream_chunks_carry_the_logprobs_of_their_own_tokens(stop: list[str] | 
         assert [lp for c in chunks for lp in (c.logprobs or [])] == response.logprobs
         plain = engine.submit(stepllm.GenerationRequest([5, 6, 7], greedy(4)))
         assert all(c.logprobs is None for c in plain)
+
+
+@pytest.mark.parametrize("max_tokens", [1, 6])
+def test_a_streams_first_chunk_carries_the_prompt_logprobs(max_tokens: int) -> None:
+    """The prompt's logprobs come whole with the first chunk (so a server can send an echoed prompt's logprobs
+    before the tokens), also when the first token ends the request; no other chunk has them, nor any unasked."""
+    with stepllm.Engine(config(max_batch_size=2)) as engine:
+        sampling = stepllm.SamplingParams(max_tokens=max_tokens, temperature=0.0, prompt_logprobs=2, ignore_eos=True)
+        stream = engine.submit(stepllm.GenerationRequest([5, 6, 7], sampling))
+        chunks = list(stream)
+        response = stream.wait()
+        assert response.prompt_logprobs is not None and len(response.prompt_logprobs) == 3
+        assert chunks and chunks[0].prompt_logprobs == response.prompt_logprobs
+        assert all(c.prompt_logprobs is None for c in chunks[1:])
+        assert all(c.prompt_logprobs is None for c in engine.submit(stepllm.GenerationRequest([5, 6, 7], greedy(max_tokens))))

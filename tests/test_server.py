@@ -332,6 +332,78 @@ def test_echo_and_chat_without_max_tokens(server: BackgroundServer, llm: stepllm
     assert c.usage is not None and c.usage.prompt_tokens + c.usage.completion_tokens == 256, c.usage
 
 
+def test_a_streamed_echo_with_logprobs_puts_together_to_the_full_response(server: BackgroundServer, llm: stepllm.LLM) -> None:
+    """As vLLM: a stream of echo with logprobs sends the echoed prompt with its logprobs (the first token's null) as
+    the choice's first chunk; each choice's chunks put together are the full response's choice, text offsets
+    included, for a text prompt, a token-id prompt, max_tokens 1 (whose first token ends the choice), and two
+    prompts with n = 2."""
+    client = sync_client(server)
+    # The emoji's tokens read as three U+FFFD: the prompt's token texts are longer than the echoed text, and the
+    # completion's offsets still count from the echo's end.
+    prompt = "The llama \U0001f999 is"
+    ids = llm.generate(prompt, greedy(1))[0].prompt_ids
+    keys = ("tokens", "token_logprobs", "top_logprobs", "text_offset")
+    for p, n, max_tokens in [(prompt, 1, 4), (ids, 1, 4), (prompt, 1, 1), ([prompt, "Hello"], 2, 3)]:
+        echoes = [prompt, "Hello"] if n > 1 else [prompt]
+        fields: dict[str, Any] = dict(model="qwen2", prompt=p, n=n, max_tokens=max_tokens, temperature=0, seed=3, echo=True, logprobs=2,
+                                      extra_body={"ignore_eos": True})
+        whole = client.completions.create(**fields).choices
+        chunks = [c.choices[0] for c in client.completions.create(stream=True, **fields)]
+        assert len(whole) == len(echoes) * n
+        for choice in whole:
+            mine = [c for c in chunks if c.index == choice.index]
+            first = mine[0].logprobs
+            assert mine[0].text == echoes[choice.index // n] and first is not None and first.token_logprobs is not None
+            assert first.token_logprobs[0] is None and all(lp is not None for lp in first.token_logprobs[1:])
+            if mine[0].text == prompt:
+                assert first.tokens == [llm.engine.decode_token(t) for t in ids]
+            streamed: dict[str, list[Any]] = {key: [] for key in keys}
+            for c in mine:
+                for key in keys:
+                    streamed[key] += getattr(c.logprobs, key) if c.logprobs is not None else []
+            want = {key: getattr(choice.logprobs, key) for key in keys}
+            if n > 1:  # choices batched differently may differ in a logprob's last bits
+                assert streamed.pop("token_logprobs")[1:] == pytest.approx(want.pop("token_logprobs")[1:], abs=1e-4)
+                del streamed["top_logprobs"], want["top_logprobs"]
+            assert streamed == want
+            assert first.tokens is not None and len(streamed["tokens"]) == len(first.tokens) + max_tokens
+            assert "".join(c.text for c in mine) == choice.text
+            assert (mine[-1].finish_reason, choice.finish_reason) == ("length", "length")
+
+
+def test_an_echo_waiting_for_its_logprobs_comes_before_the_finish_of_a_choice_without_chunks(llm: stepllm.LLM) -> None:
+    """A choice that ends without a chunk (cancelled before its first token) still echoes its prompt with the
+    logprobs its response has, right before its finish chunk."""
+    from stepllm.server.responses import Context
+    from stepllm.server.streaming import stream_events
+
+    prompt = "The capital of France is"
+    response = llm.generate(prompt, greedy(1, prompt_logprobs=2))[0]
+
+    class Ended:  # a GenerationHandle whose choice ended without a chunk
+        def __init__(self) -> None:
+            self.response = response
+
+        async def chunks(self) -> Any:
+            return
+            yield
+
+        def cancel(self) -> None:
+            pass
+
+    engine = llm.engine
+    ctx = Context(kind="completion", id="c", model="qwen2", token_text=engine.decode_token, token_bytes=engine.token_bytes,
+                  echoes=[prompt], echo_ids=[response.prompt_ids])
+
+    async def events() -> list[str]:
+        return [e async for e in stream_events([Ended()], ctx, want_logprobs=True)]  # type: ignore[list-item]
+
+    bodies = [json.loads(e[6:])["choices"][0] for e in asyncio.run(events())[:-1]]
+    assert [(b["text"], b["finish_reason"]) for b in bodies] == [(prompt, None), ("", "length")]
+    want = ctx.prompt_logprobs(response.prompt_ids, response.prompt_logprobs or [])
+    assert bodies[0]["logprobs"] == want and want["token_logprobs"][0] is None and len(want["tokens"]) == len(response.prompt_ids)
+
+
 def test_a_reply_sent_back_in_the_next_turn_is_accepted(server: BackgroundServer, llm: stepllm.LLM) -> None:
     """The openai client's own message object (with refusal None and the server's empty tool_calls) goes back
     into the conversation, as multi-turn chat clients do."""

@@ -106,13 +106,23 @@ class ScheduledSequenceDescriptor:
 class TokenDelta:
     """A surviving resident's tokens committed by one step, the text they completed (held-back stop-string
     prefixes excluded), and their logprobs when the request asked for them."""
-    def __new__(cls, token_ids: Sequence[int], text: str, logprobs: Sequence[TokenLogprob] | None = None) -> TokenDelta: ...
+    def __new__(
+        cls,
+        token_ids: Sequence[int],
+        text: str,
+        logprobs: Sequence[TokenLogprob] | None = None,
+        prompt_logprobs: Sequence[TokenLogprob | None] | None = None,
+    ) -> TokenDelta: ...
     @property
     def token_ids(self) -> list[int]: ...
     @property
     def text(self) -> str: ...
     @property
     def logprobs(self) -> list[TokenLogprob] | None: ...
+    @property
+    def prompt_logprobs(self) -> list[TokenLogprob | None] | None:
+        """The whole prompt's logprobs (None for its first token) on a request's first delta when it asked for
+        prompt_logprobs, else None: a stream can send an echoed prompt's logprobs before the completion's tokens."""
     def __eq__(self, other: object, /) -> bool: ...
     def __hash__(self) -> int: ...
 
@@ -636,13 +646,23 @@ class SteppedRequest:
 @final
 class StreamChunk:
     """The tokens one step gave a request, the text they completed, and their logprobs when it asked for them."""
-    def __new__(cls, token_ids: Sequence[int], text: str, logprobs: Sequence[TokenLogprob] | None = None) -> StreamChunk: ...
+    def __new__(
+        cls,
+        token_ids: Sequence[int],
+        text: str,
+        logprobs: Sequence[TokenLogprob] | None = None,
+        prompt_logprobs: Sequence[TokenLogprob | None] | None = None,
+    ) -> StreamChunk: ...
     @property
     def token_ids(self) -> list[int]: ...
     @property
     def text(self) -> str: ...
     @property
     def logprobs(self) -> list[TokenLogprob] | None: ...
+    @property
+    def prompt_logprobs(self) -> list[TokenLogprob | None] | None:
+        """The whole prompt's logprobs (None for its first token) on a request's first chunk when it asked for
+        prompt_logprobs, else None: a stream can send an echoed prompt's logprobs before the completion's tokens."""
     def __eq__(self, other: object, /) -> bool: ...
     def __hash__(self) -> int: ...
 

@@ -207,8 +207,12 @@ async def _generate(request: Request, kind: Kind) -> Response:
         state.check_model(req.model)
         state.check_capacity(req.choice_count())
         handles = state.submit(endpoint, req, arrived)
+        echoes: list[str] = []
+        echo_ids: list[list[int]] = []
         try:  # after submit, which refuses token ids outside the vocabulary
-            echoes = req.echo_texts(state.engine.decode) if isinstance(req, CompletionRequest) else []
+            if isinstance(req, CompletionRequest):
+                echoes = req.echo_texts(state.engine.decode)
+                echo_ids = req.streamed_echo_ids(state.engine.tokenize)
         except BaseException:
             cancel_all(handles)()
             raise
@@ -229,6 +233,7 @@ async def _generate(request: Request, kind: Kind) -> Response:
         include_usage=req.include_usage,
         samples=req.samples,
         echoes=echoes,
+        echo_ids=echo_ids,
     )
     headers = {"X-Request-Id": rid}
     want_logprobs = req.requested_logprobs() is not None

@@ -169,9 +169,6 @@ class CompletionRequest(_Sampling):
         for one in batch:
             if isinstance(one, list) and not one:
                 raise bad_request("prompt is empty: give at least one character or token", param="prompt")
-        if self.echo and self.logprobs is not None and self.stream:
-            # The prompt's logprobs come with the finished response, after the echo chunk a stream sends first.
-            raise bad_request("echo with logprobs is not supported in a stream; send it without stream", param="echo")
         return batch
 
     def prompt_count(self) -> int:
@@ -182,6 +179,14 @@ class CompletionRequest(_Sampling):
         if not self.echo:
             return []
         return [p if isinstance(p, str) else decode(p) for p in self.prompts()]
+
+    def streamed_echo_ids(self, tokenize: Callable[[GenerationRequest], list[int]]) -> list[list[int]]:
+        """Each prompt's token ids when a stream echoes its prompts with their logprobs, else none: the echo chunk
+        lists every prompt token, and the prompt logprobs a stream gets have nothing for the first one."""
+        if not (self.stream and self.echo and self.logprobs is not None):
+            return []
+        add_special_tokens = bool(self.add_special_tokens)
+        return [p if isinstance(p, list) else tokenize(GenerationRequest(p, add_special_tokens=add_special_tokens)) for p in self.prompts()]
 
     def generation_requests(self, max_tokens: int | None) -> list[GenerationRequest]:
         """One request per choice: each prompt's `n` samples, prompt by prompt (choice i is prompt i // n)."""

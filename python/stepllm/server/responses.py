@@ -44,6 +44,7 @@ class Context:
     include_usage: bool = False
     samples: int = 1
     echoes: Sequence[str] = ()  # each prompt's text, when the completion echoes its prompts
+    echo_ids: Sequence[Sequence[int]] = ()  # each prompt's token ids, when a stream echoes them with their logprobs
     # Where each streamed completion choice's next token starts in its text (logprobs' text_offset).
     stream_offsets: dict[int, int] = field(default_factory=dict)
 
@@ -82,9 +83,8 @@ class Context:
             echo = self.echo(index)
             choice["text"] = echo + text
             choice["logprobs"] = self.completion_logprobs(response.logprobs, offset=len(echo))
-            if echo and response.prompt_logprobs is not None:
-                # As OpenAI and vLLM: the echoed prompt's tokens first, the first of them with no logprob (null).
-                prompt = self._legacy_logprobs(zip(response.prompt_ids, response.prompt_logprobs), offset=0)
+            if echo and response.prompt_logprobs is not None:  # the echoed prompt's tokens first
+                prompt = self.prompt_logprobs(response.prompt_ids, response.prompt_logprobs)
                 choice["logprobs"] = {key: prompt[key] + (choice["logprobs"] or {}).get(key, []) for key in prompt}
         return choice
 
@@ -127,6 +127,15 @@ class Context:
             choice["stop_reason"] = stop_reason(finish)
         return sse(self._chunk_envelope([choice]))
 
+    def echo_chunk(self, index: int, prompt_logprobs: Sequence[TokenLogprob | None] | None = None) -> str:
+        """The completion chunk that repeats choice `index`'s prompt, with the prompt's logprobs when given (a stream
+        that echoes with logprobs sends it at the choice's first token, which brings them). The choice's tokens
+        still count their text offsets from the end of the echo, as in the full response."""
+        logprobs = None
+        if prompt_logprobs is not None:
+            logprobs = self.prompt_logprobs(self.echo_ids[index // self.samples], prompt_logprobs)
+        return sse(self._chunk_envelope([{"index": index, "text": self.echo(index), "logprobs": logprobs, "finish_reason": None}]))
+
     def usage_chunk(self, responses: Sequence[GenerationResponse]) -> str:
         body = self._chunk_envelope([])
         body["usage"] = self.usage(responses)
@@ -160,6 +169,10 @@ class Context:
         if logprobs is None:
             return None
         return self._legacy_logprobs(((lp.token_id, lp) for lp in logprobs), offset)
+
+    def prompt_logprobs(self, prompt_ids: Sequence[int], logprobs: Sequence[TokenLogprob | None]) -> dict[str, Any]:
+        """An echoed prompt's completions logprobs, as OpenAI and vLLM: its first token with no logprob (null)."""
+        return self._legacy_logprobs(zip(prompt_ids, logprobs), offset=0)
 
     def _legacy_logprobs(self, entries: Iterable[tuple[int, TokenLogprob | None]], offset: int) -> dict[str, Any]:
         """The completions shape of (token id, logprob) entries whose text starts at `offset`; an entry without a

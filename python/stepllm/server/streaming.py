@@ -12,7 +12,7 @@ from anyio import CancelScope
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from .._core import FinishReason, GenerationResponse, StreamChunk
+from .._core import FinishReason, GenerationResponse, StreamChunk, TokenLogprob
 from .bridge import GenerationHandle
 from .errors import error_body
 from .responses import DONE, Context, sse
@@ -24,22 +24,28 @@ _Event = Union[StreamChunk, BaseException, None]
 
 async def stream_events(handles: Sequence[GenerationHandle], ctx: Context, want_logprobs: bool) -> AsyncGenerator[str, None]:
     """The choices' chunks as SSE events in the order they come, each naming its choice; a choice's finish chunk
-    when it ends; then the usage chunk if asked, and [DONE]. An engine failure of any choice after the headers went
-    out is an error event that ends the stream (the official client raises it as an APIError). However the
-    generator ends, every choice still running is cancelled."""
+    when it ends; then the usage chunk if asked, and [DONE]. An echoed prompt is its choice's first chunk: sent up
+    front, or with logprobs at the choice's first token (whose chunk brings the prompt's logprobs) or, if none
+    comes, at its end. An engine failure of any choice after the headers went out is an error event that ends the
+    stream (the official client raises it as an APIError). However the generator ends, every choice still running
+    is cancelled."""
     merged: asyncio.Queue[tuple[int, _Event]] = asyncio.Queue()
     followers = [asyncio.ensure_future(_follow(index, handle, merged)) for index, handle in enumerate(handles)]
+    # The choices whose echo waits for their prompt's logprobs.
+    echo_later = {index for index in range(len(handles)) if ctx.echo(index) and want_logprobs}
     try:
         for index in range(len(handles)):
             if ctx.kind == "chat":
                 yield ctx.chunk("", index=index, role=True)
-            if ctx.echo(index):
-                yield ctx.chunk(ctx.echo(index), index=index)
+            if ctx.echo(index) and index not in echo_later:
+                yield ctx.echo_chunk(index)
         running = len(handles)
         held: deque[tuple[int, _Event]] = deque()
         while running:
             index, event = held.popleft() if held else await merged.get()
             if isinstance(event, StreamChunk):
+                if echo := _late_echo(ctx, echo_later, index, event.prompt_logprobs):
+                    yield echo
                 chunks = [event, *_chunks_already_here(index, merged, held)]
                 text = "".join(c.text for c in chunks)
                 # Each chunk's logprobs are its tokens' (a token whose text is held back still has them).
@@ -58,6 +64,8 @@ async def stream_events(handles: Sequence[GenerationHandle], ctx: Context, want_
                 yield sse(error_body(engine_error_message(response), "server_error", code="engine_error"))
                 yield DONE
                 return
+            if echo := _late_echo(ctx, echo_later, index, response.prompt_logprobs):
+                yield echo
             yield ctx.chunk(None if ctx.kind == "chat" else "", index=index, finish=response)
         if ctx.include_usage:
             yield ctx.usage_chunk([_response_of(h) for h in handles])
@@ -67,6 +75,14 @@ async def stream_events(handles: Sequence[GenerationHandle], ctx: Context, want_
             follower.cancel()
         for handle in handles:
             handle.cancel()
+
+
+def _late_echo(ctx: Context, echo_later: set[int], index: int, prompt_logprobs: Sequence[TokenLogprob | None] | None) -> str | None:
+    """The echo chunk of choice `index` if its echo still waits for the prompt's logprobs (here now), else None."""
+    if index not in echo_later:
+        return None
+    echo_later.discard(index)
+    return ctx.echo_chunk(index, prompt_logprobs)
 
 
 def _chunks_already_here(index: int, merged: asyncio.Queue[tuple[int, _Event]], held: deque[tuple[int, _Event]]) -> list[StreamChunk]:

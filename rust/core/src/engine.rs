@@ -289,7 +289,9 @@ impl Actor {
             });
             if !tail_tokens.is_empty() || !tail_text.is_empty() {
                 let logprobs = response.logprobs.as_ref().map(|l| l[run.streamed_tokens.min(l.len())..].to_vec());
-                let tail = TokenDelta { token_ids: tail_tokens.into(), text: tail_text.into(), logprobs };
+                // A request that ends in the step of its first token streams the tail as its first delta.
+                let prompt_logprobs = if run.streamed_tokens == 0 { response.prompt_logprobs.clone() } else { None };
+                let tail = TokenDelta { token_ids: tail_tokens.into(), text: tail_text.into(), logprobs, prompt_logprobs };
                 let _ = run.events.send(EngineEvent::Delta(tail));
             }
             self.count_finish(response.finish_reason);

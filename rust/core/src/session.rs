@@ -106,18 +106,20 @@ impl SequenceRow {
         }
     }
 
-    /// Tokens past the watermark, and the text they completed; advances the watermark.
+    /// Tokens past the watermark, and the text they completed; advances the watermark. The first delta also
+    /// carries the prompt logprobs, if asked for: the step that samples the first token scored the prompt's end.
     pub fn take_delta(&mut self) -> Option<TokenDelta> {
         if self.watermark == self.output_ids.len() {
             return None;
         }
         let token_ids = SmallVec::from_slice(&self.output_ids[self.watermark..]);
         let logprobs = self.logprobs.as_ref().map(|l| l[self.watermark.min(l.len())..].to_vec());
+        let prompt_logprobs = if self.watermark == 0 { self.prompt_logprobs.clone() } else { None };
         self.watermark = self.output_ids.len();
         // Copied out, not taken: the buffer keeps its capacity for the next tick's text.
         let text = CompactString::from(self.unreported_text.as_str());
         self.unreported_text.clear();
-        Some(TokenDelta { token_ids, text, logprobs })
+        Some(TokenDelta { token_ids, text, logprobs, prompt_logprobs })
     }
 
     /// The snapshot carried by a finished result.

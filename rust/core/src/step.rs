@@ -39,6 +39,11 @@ pub struct TokenDelta {
     pub text: CompactString,
     /// One per token when the request asked for logprobs, so a stream can carry them with its tokens.
     pub logprobs: Option<Vec<TokenLogprob>>,
+    /// The request's whole prompt logprobs (one per prompt token, None for the first), on the first delta of a
+    /// request that asked for prompt_logprobs; None on every other delta. They are complete by then (the step
+    /// that samples the first token computes the prompt's last chunk), so a stream can send an echoed prompt's
+    /// logprobs before the completion's tokens instead of waiting for the finished response.
+    pub prompt_logprobs: Option<Vec<Option<TokenLogprob>>>,
 }
 
 /// The snapshot of a sequence that reached a terminal state; everything `materialize` needs.

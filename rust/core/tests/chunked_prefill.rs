@@ -1,7 +1,8 @@
 //! Chunked prefill: a prompt longer than `max_prefill_tokens` is computed one chunk per step and stays seated
 //! until the chunk that samples its first token. Every request gets what it gets with its prompt computed
 //! whole, on one rank and under tensor parallelism; running requests keep decoding in the chunks' forwards; a
-//! cancel mid-prompt releases everything; and the chunks publish their blocks to the prefix cache.
+//! cancel mid-prompt releases everything; the chunks publish their blocks to the prefix cache; and prompt
+//! logprobs scored chunk by chunk come whole with the request's first delta.
 
 mod common;
 
@@ -9,9 +10,9 @@ use common::*;
 use stepllm_core::coordinator::RuntimeCoordinator;
 use stepllm_core::engine::{EngineEvent, RequestEngine, RequestHandle};
 use stepllm_core::ids::ResidentRef;
-use stepllm_core::request::{FinishReason, GenerationResponse};
+use stepllm_core::request::{FinishReason, GenerationRequest, GenerationResponse};
 use stepllm_core::stepped::SteppedExecution;
-use stepllm_core::step::{ImmutableDecodeBatch, ImmutableMixedBatch, ImmutablePrefillBatch, SequenceWork, StepResult};
+use stepllm_core::step::{ImmutableDecodeBatch, ImmutableMixedBatch, ImmutablePrefillBatch, SequenceWork, StepResult, TokenDelta};
 
 const BUDGET: usize = 7;
 const MAX_TOKENS: usize = 6;
@@ -237,4 +238,67 @@ fn a_system_prompt_is_computed_in_chunks_too() {
     let hit = coord.dispatch_request(vec![greedy_ids(&prompt, MAX_TOKENS)]).unwrap().remove(0);
     assert_eq!(hit.cached_prompt_tokens, 24);
     assert_eq!(hit.output_ids, whole("llama", &prompt, MAX_TOKENS));
+}
+
+fn with_prompt_logprobs(prompt: &[u32], max_tokens: usize) -> GenerationRequest {
+    let mut request = greedy_ids(prompt, max_tokens);
+    request.sampling.prompt_logprobs = Some(2);
+    request
+}
+
+/// A request's stream: its deltas, then its response.
+fn deltas_and_response(h: RequestHandle) -> (Vec<TokenDelta>, GenerationResponse) {
+    let mut deltas = Vec::new();
+    for event in h.events.iter() {
+        match event {
+            EngineEvent::Delta(d) => deltas.push(d),
+            EngineEvent::Finished(r) => return (deltas, r),
+        }
+    }
+    panic!("the stream ended without a response")
+}
+
+/// The prompt logprobs come whole with a request's first delta (so a stream can send an echoed prompt's logprobs
+/// before its tokens) and with no other, equal to the finished result's: with the prompt in chunks or whole, and
+/// from the engine, where a request that ends in the step of its first token streams its tail as that delta.
+#[test]
+fn prompt_logprobs_come_whole_with_the_first_delta_only() {
+    let prompt = long_prompt();
+    for (what, coord) in [("chunked", chunked_coordinator("llama", 1)), ("whole", coordinator("llama"))] {
+        let stepper = coord.stepper();
+        let intent = coord.intents().build(with_prompt_logprobs(&prompt, MAX_TOKENS), 1, 0).unwrap();
+        let target = stepper.admit(intent).unwrap().resident.unwrap();
+        let mut deltas = Vec::new();
+        let result = loop {
+            let step = if stepper.seated().unwrap().is_empty() {
+                stepper.decode(&ImmutableDecodeBatch { residents: vec![target] }).unwrap()
+            } else {
+                stepper.prefill(&ImmutablePrefillBatch { target }).unwrap()
+            };
+            deltas.extend(step.deltas.into_iter().map(|(_, d)| d));
+            if let Some((_, result)) = step.finished.into_iter().next() {
+                break result;
+            }
+        };
+        let want = result.prompt_logprobs.expect("asked for");
+        assert_eq!(want.len(), prompt.len(), "{what}");
+        assert!(want[0].is_none() && want[1..].iter().all(Option::is_some), "{what}");
+        assert_eq!(deltas.len(), MAX_TOKENS - 1, "{what}: the last token comes with the result");
+        assert_eq!(deltas[0].prompt_logprobs.as_ref(), Some(&want), "{what}");
+        assert!(deltas[1..].iter().all(|d| d.prompt_logprobs.is_none()), "{what}");
+        assert_idle(&coord);
+    }
+    let mut engine = RequestEngine::new(chunked_coordinator("llama", 1)).unwrap();
+    for max_tokens in [MAX_TOKENS, 1] {
+        let asked = engine.submit(with_prompt_logprobs(&prompt, max_tokens)).unwrap();
+        let plain = engine.submit(greedy_ids(&prompt, max_tokens)).unwrap();
+        let (deltas, response) = deltas_and_response(asked);
+        assert_eq!(deltas.iter().map(|d| d.token_ids.len()).sum::<usize>(), max_tokens);
+        assert!(response.prompt_logprobs.as_ref().is_some_and(|l| l.len() == prompt.len()), "max_tokens {max_tokens}");
+        assert_eq!(deltas[0].prompt_logprobs, response.prompt_logprobs, "max_tokens {max_tokens}");
+        assert!(deltas[1..].iter().all(|d| d.prompt_logprobs.is_none()), "max_tokens {max_tokens}");
+        let (deltas, response) = deltas_and_response(plain);
+        assert!(response.prompt_logprobs.is_none() && deltas.iter().all(|d| d.prompt_logprobs.is_none()));
+    }
+    engine.shutdown();
 }

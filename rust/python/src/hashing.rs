@@ -108,6 +108,7 @@ impl HashValue for TokenDelta {
         self.token_ids.as_slice().hash(h);
         self.text.as_str().hash(h);
         self.logprobs.hash_value(h);
+        self.prompt_logprobs.hash_value(h);
     }
 }
 fields!(SamplingParams: max_tokens, temperature, top_k, top_p, min_p, seed, repetition_penalty, presence_penalty,

@@ -181,10 +181,16 @@ macro_rules! token_delta_class {
         #[pymethods]
         impl $rust {
             #[new]
-            #[pyo3(signature = (token_ids, text, logprobs=None))]
-            fn new(token_ids: Vec<u32>, text: String, logprobs: Option<Vec<$crate::request::PyTokenLogprob>>) -> Self {
+            #[pyo3(signature = (token_ids, text, logprobs=None, prompt_logprobs=None))]
+            fn new(
+                token_ids: Vec<u32>,
+                text: String,
+                logprobs: Option<Vec<$crate::request::PyTokenLogprob>>,
+                prompt_logprobs: Option<Vec<Option<$crate::request::PyTokenLogprob>>>,
+            ) -> Self {
                 let logprobs = logprobs.map(|l| l.into_iter().map(|lp| lp.0).collect());
-                Self(stepllm_core::step::TokenDelta { token_ids: token_ids.into(), text: text.into(), logprobs })
+                let prompt_logprobs = prompt_logprobs.map(|l| l.into_iter().map(|lp| lp.map(|lp| lp.0)).collect());
+                Self(stepllm_core::step::TokenDelta { token_ids: token_ids.into(), text: text.into(), logprobs, prompt_logprobs })
             }
             #[getter]
             fn token_ids(&self) -> Vec<u32> {
@@ -198,6 +204,12 @@ macro_rules! token_delta_class {
             #[getter]
             fn logprobs(&self) -> Option<Vec<$crate::request::PyTokenLogprob>> {
                 $crate::request::PyTokenLogprob::list(&self.0.logprobs)
+            }
+            /// The whole prompt's logprobs (None for its first token) on a request's first delta when it asked
+            /// for prompt_logprobs, else None.
+            #[getter]
+            fn prompt_logprobs(&self) -> Option<Vec<Option<$crate::request::PyTokenLogprob>>> {
+                $crate::request::PyTokenLogprob::prompt_list(&self.0.prompt_logprobs)
             }
             fn __hash__(&self) -> u64 {
                 $crate::hashing::py_hash(&self.0)
