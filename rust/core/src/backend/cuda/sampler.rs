@@ -1,17 +1,58 @@
 //! Host side of GPU sampling (kernels/sampling.cu): packs every row's parameters, penalty token ids and
 //! logit biases into one buffer, copies it in one transfer, launches one block per row, and copies back only
 //! the chosen tokens. A step whose rows are all plain greedy skips that: the forward already left each row's
-//! argmax on the device (kernels/gemv.cu argmax_rows), so only those are copied back. Logprobs, when a row
-//! asks for them, are computed on the host from that row's raw logits.
+//! argmax on the device (kernels/gemv.cu argmax_rows), so only those are copied back. Logprobs, when rows ask
+//! for them, are computed on the host from their raw logits (copied back in one transfer).
 
 use half::bf16;
+use rayon::prelude::*;
 
 use std::time::Instant;
 
 use super::backend::{CudaBackend, DeviceLogits};
 use super::device::{Arg, DeviceBuffer, PinnedBuffer};
 use crate::error::Result;
+use crate::request::TokenLogprob;
 use crate::sampling::{is_greedy, seeded_uniform, RowContext, Sampled};
+
+/// The logprobs of the rows that ask for them (None for the others): their logits rows come back, a run of
+/// consecutive such rows in one transfer, and are scored on the host in parallel (row by row, each its own
+/// transfer and all on one core, a batch of 64 rows took milliseconds).
+fn logprobs_of_rows(
+    backend: &CudaBackend,
+    logits: DeviceLogits,
+    vocab: usize,
+    rows: &[RowContext],
+    tokens: &[u32],
+) -> Result<Vec<Option<TokenLogprob>>> {
+    let asking: Vec<usize> = (0..rows.len()).filter(|&i| rows[i].params.logprobs.is_some()).collect();
+    let mut raw = vec![bf16::ZERO; asking.len() * vocab];
+    let mut slot = 0;
+    for run in asking.chunk_by(|a, b| b == &(a + 1)) {
+        let dst = &mut raw[slot * vocab..(slot + run.len()) * vocab];
+        backend.gpu().download(dst, logits.ptr + (run[0] * vocab * 2) as u64)?;
+        slot += run.len();
+    }
+    Ok(score_bf16_rows(&raw, &asking, vocab, rows, tokens))
+}
+
+/// Each asking row's logprob of its token and its top alternatives (None for the other rows), from `raw`: the
+/// bf16 logits rows of the rows `asking`, back to back.
+fn score_bf16_rows(raw: &[bf16], asking: &[usize], vocab: usize, rows: &[RowContext], tokens: &[u32]) -> Vec<Option<TokenLogprob>> {
+    let scored: Vec<TokenLogprob> = asking
+        .par_iter()
+        .enumerate()
+        .map(|(slot, &i)| {
+            let row: Vec<f32> = raw[slot * vocab..][..vocab].iter().map(|v| v.to_f32()).collect();
+            crate::sampling::token_logprob(&row, tokens[i], rows[i].params.logprobs.unwrap_or(0))
+        })
+        .collect();
+    let mut out = vec![None; rows.len()];
+    for (&i, logprob) in asking.iter().zip(scored) {
+        out[i] = Some(logprob);
+    }
+    out
+}
 
 /// Words per row of `RowParams` in kernels/sampling.cu.
 const PARAM_WORDS: usize = 16;
@@ -51,21 +92,8 @@ impl Sampler {
             return Ok(Vec::new());
         }
         let tokens = if rows.iter().all(|ctx| ctx.is_plain_argmax()) { self.argmax_tokens(backend, logits.argmax, n)? } else { self.draw(backend, logits, vocab, rows)? };
-        let gpu = backend.gpu();
-        let mut sampled = Vec::with_capacity(n);
-        for (i, ctx) in rows.iter().enumerate() {
-            let logprob = match ctx.params.logprobs {
-                Some(top) => {
-                    let mut raw = vec![bf16::ZERO; vocab];
-                    gpu.download(&mut raw, logits.ptr + (i * vocab * 2) as u64)?;
-                    let raw: Vec<f32> = raw.iter().map(|v| v.to_f32()).collect();
-                    Some(crate::sampling::token_logprob(&raw, tokens[i], top))
-                }
-                None => None,
-            };
-            sampled.push(Sampled { token_id: tokens[i], logprob });
-        }
-        Ok(sampled)
+        let logprobs = logprobs_of_rows(backend, logits, vocab, rows, &tokens)?;
+        Ok(tokens.into_iter().zip(logprobs).map(|(token_id, logprob)| Sampled { token_id, logprob }).collect())
     }
 
     /// The argmax the forward computed for each of `n` rows (keys at device address `keys`).
@@ -178,5 +206,34 @@ impl Sampler {
                 self.host.push(f32::NEG_INFINITY.to_bits());
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::request::SamplingParams;
+
+    #[test]
+    fn rows_asking_for_logprobs_are_scored_from_their_own_downloaded_rows() {
+        let vocab = 7;
+        let plain = SamplingParams::default();
+        let asking = SamplingParams { logprobs: Some(2), ..SamplingParams::default() };
+        let params = [&plain, &asking, &plain, &asking, &asking];
+        let rows: Vec<RowContext> = params
+            .iter()
+            .map(|p| RowContext { params: p, prompt_ids: &[], output_ids: &[], position: 0, seed: 0, banned: &[] })
+            .collect();
+        let tokens = [0, 3, 1, 5, 2];
+        // The asking rows came back (1, then the run 3-4), each with a different peak.
+        let logits = |row: usize| (0..vocab).map(move |j| ((j * 3 + row * 5) % vocab) as f32 * 0.5 - 1.0);
+        let raw: Vec<bf16> = [1, 3, 4].into_iter().flat_map(logits).map(bf16::from_f32).collect();
+        let got = score_bf16_rows(&raw, &[1, 3, 4], vocab, &rows, &tokens);
+        let want = |row: usize| {
+            let row_f32: Vec<f32> = logits(row).map(|v| bf16::from_f32(v).to_f32()).collect();
+            Some(crate::sampling::token_logprob(&row_f32, tokens[row], 2))
+        };
+        assert_eq!(got, vec![None, want(1), None, want(3), want(4)]);
+        assert!(want(1) != want(3) && want(3) != want(4));
     }
 }
