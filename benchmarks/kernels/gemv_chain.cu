@@ -520,7 +520,8 @@ void mlp_section(Gpu& g, std::vector<Layer>& layers, bf16* h, float* norm) {
 // in L2: the chain's bound if weights arrived at no cost), and with distinct weights plus a side kernel that
 // prefetches the coming weights into L2 (cp.async.bulk.prefetch.L2), paced by the layer the chain has reached,
 // which the stand-in attention publishes. (The same prefetcher inside the runtime, paced by marks the bulk GEMVs
-// publish, is on the branch l2-prefetch; benchmarks/RESULTS.md has both: slower.)
+// publish, with its form here too, is l2_prefetch_runtime.patch beside this file, `git apply` on main;
+// benchmarks/RESULTS.md has both: slower.)
 extern "C" __global__ void standin_attention_marking(const bf16* qkv, bf16* att, int n, unsigned* progress, unsigned layer) {
     if (blockIdx.x == 0 && threadIdx.x == 0) atomicMax(progress, layer + 1);
     kernel_begin();
