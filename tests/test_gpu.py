@@ -269,6 +269,24 @@ def test_graph_decode_equals_eager(models_dir: Path) -> None:
     assert [r.output_ids for r in eager] == [r.output_ids for r in graphed]
 
 
+def test_logprobs_of_some_rows_of_a_batch(models_dir: Path) -> None:
+    """Rows that ask for logprobs come back in runs of consecutive rows (the sampler's one transfer per run) and are
+    scored in parallel: in a batch where every other request asks, each asking request's logprobs must equal those
+    of the same batch where every request asks (same batch, same kernels, so exactly), and the others have none."""
+    path = gpu_models.make("qwen3", models_dir)
+    prompts = [PROMPT[: 6 + 9 * i] for i in range(6)]
+
+    def run(asking: set[int]) -> list:
+        reqs = [stepllm.GenerationRequest(p, greedy(12, logprobs=3 if i in asking else None)) for i, p in enumerate(prompts)]
+        return coordinator(path, "cuda", graphs=True).dispatch_request(reqs)
+
+    some = run({0, 2, 3, 5})
+    every = run(set(range(6)))
+    assert [r.output_ids for r in some] == [r.output_ids for r in every]
+    for i, (s, e) in enumerate(zip(some, every)):
+        assert s.logprobs == (e.logprobs if i in {0, 2, 3, 5} else None), i
+
+
 def assert_matches_cublas(path: Path, prompts: list[list[int]], monkeypatch: pytest.MonkeyPatch, what: object) -> None:
     """Greedy runs of `prompts` as one batch (graphs captured) with the projection kernels the environment selects,
     against the same run with every projection on cuBLAS (STEPLLM_GEMV_MAX_ROWS=0, STEPLLM_SKINNY_GEMM_MAX_ROWS=0)."""
