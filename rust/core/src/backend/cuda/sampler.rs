@@ -13,7 +13,7 @@ use super::backend::{CudaBackend, DeviceLogits};
 use super::device::{Arg, DeviceBuffer, PinnedBuffer};
 use crate::error::Result;
 use crate::request::TokenLogprob;
-use crate::sampling::{is_greedy, seeded_uniform, RowContext, Sampled};
+use crate::sampling::{is_greedy, score_rows, seeded_uniform, RowContext, Sampled, ScoreRow};
 
 /// The logprobs of the rows that ask for them (None for the others): their logits rows come back, a run of
 /// consecutive such rows in one transfer, and are scored on the host in parallel (row by row, each its own
@@ -37,18 +37,13 @@ fn logprobs_of_rows(
 }
 
 /// Each asking row's logprob of its token and its top alternatives (None for the other rows), from `raw`: the
-/// bf16 logits rows of the rows `asking`, back to back.
+/// bf16 logits rows of the rows `asking`, back to back; scored as prompt positions are ([`score_rows`]).
 fn score_bf16_rows(raw: &[bf16], asking: &[usize], vocab: usize, rows: &[RowContext], tokens: &[u32]) -> Vec<Option<TokenLogprob>> {
-    let scored: Vec<TokenLogprob> = asking
-        .par_iter()
-        .enumerate()
-        .map(|(slot, &i)| {
-            let row: Vec<f32> = raw[slot * vocab..][..vocab].iter().map(|v| v.to_f32()).collect();
-            crate::sampling::token_logprob(&row, tokens[i], rows[i].params.logprobs.unwrap_or(0))
-        })
-        .collect();
+    let raw: Vec<f32> = raw.par_iter().map(|v| v.to_f32()).collect();
+    let scores: Vec<ScoreRow> =
+        asking.iter().map(|&i| ScoreRow { token_id: tokens[i], top: rows[i].params.logprobs.unwrap_or(0) }).collect();
     let mut out = vec![None; rows.len()];
-    for (&i, logprob) in asking.iter().zip(scored) {
+    for (&i, logprob) in asking.iter().zip(score_rows(&raw, vocab, &scores)) {
         out[i] = Some(logprob);
     }
     out
