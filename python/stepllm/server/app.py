@@ -111,9 +111,12 @@ class ServerState:
         if self.inflight + choices > room:
             raise errors.overloaded(RETRY_AFTER_S, self.waiting)
 
-    def submit(self, endpoint: str, req: AnyRequest, arrived: float) -> list[GenerationHandle]:
-        """Queue every choice of the request (InvalidRequestError -> 400, with none of its choices left queued). A
-        chat request without a limit gets the default, clipped to what its prompt leaves of the context."""
+    def submit(
+        self, endpoint: str, req: AnyRequest, arrived: float, prompt_ids: list[list[int]] | None = None
+    ) -> list[GenerationHandle]:
+        """Queue every choice of the request (InvalidRequestError -> 400, with none of its choices left queued); a
+        completion's prompts as `prompt_ids` when the server tokenized them already. A chat request without a limit
+        gets the default, clipped to what its prompt leaves of the context."""
         on_end = self._ended(endpoint)
         requested = req.requested_max_tokens()
         if requested is not None or isinstance(req, CompletionRequest):
@@ -125,6 +128,8 @@ class ServerState:
                     param="max_tokens",
                     code="invalid_value",
                 )
+            if isinstance(req, CompletionRequest):
+                return self._start_all(req.generation_requests(limit, prompt_ids), arrived, on_end)
             return self._start_all(req.generation_requests(limit), arrived, on_end)
         # As vLLM: what the context leaves after the prompt (a prompt that leaves nothing is refused with the
         # engine's reason). The conversation is tokenized once: its choices run the ids.
@@ -206,13 +211,12 @@ async def _generate(request: Request, kind: Kind) -> Response:
         req: AnyRequest = parse(ChatCompletionRequest if kind == "chat" else CompletionRequest, await read_body(request))
         state.check_model(req.model)
         state.check_capacity(req.choice_count())
-        handles = state.submit(endpoint, req, arrived)
+        echo_ids = req.streamed_echo_ids(state.engine.tokenize) if isinstance(req, CompletionRequest) else []
+        handles = state.submit(endpoint, req, arrived, echo_ids)
         echoes: list[str] = []
-        echo_ids: list[list[int]] = []
         try:  # after submit, which refuses token ids outside the vocabulary
             if isinstance(req, CompletionRequest):
                 echoes = req.echo_texts(state.engine.decode)
-                echo_ids = req.streamed_echo_ids(state.engine.tokenize)
         except BaseException:
             cancel_all(handles)()
             raise

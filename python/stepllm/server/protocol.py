@@ -182,18 +182,21 @@ class CompletionRequest(_Sampling):
 
     def streamed_echo_ids(self, tokenize: Callable[[GenerationRequest], list[int]]) -> list[list[int]]:
         """Each prompt's token ids when a stream echoes its prompts with their logprobs, else none: the echo chunk
-        lists every prompt token, and the prompt logprobs a stream gets have nothing for the first one."""
+        lists every prompt token, and the prompt logprobs a stream gets have nothing for the first one. The
+        choices then run these ids (`generation_requests`), so a text prompt is tokenized once."""
         if not (self.stream and self.echo and self.logprobs is not None):
             return []
         add_special_tokens = bool(self.add_special_tokens)
         return [p if isinstance(p, list) else tokenize(GenerationRequest(p, add_special_tokens=add_special_tokens)) for p in self.prompts()]
 
-    def generation_requests(self, max_tokens: int | None) -> list[GenerationRequest]:
-        """One request per choice: each prompt's `n` samples, prompt by prompt (choice i is prompt i // n)."""
+    def generation_requests(self, max_tokens: int | None, prompt_ids: list[list[int]] | None = None) -> list[GenerationRequest]:
+        """One request per choice: each prompt's `n` samples, prompt by prompt (choice i is prompt i // n); the
+        prompts as `prompt_ids` when they are already tokenized."""
         add_special_tokens = bool(self.add_special_tokens)
+        prompts: list[Any] = prompt_ids if prompt_ids else self.prompts()
         return [
             GenerationRequest(prompt, self.sampling_params(max_tokens, sample), add_special_tokens=add_special_tokens)
-            for prompt in self.prompts()
+            for prompt in prompts
             for sample in range(self.samples)
         ]
 
