@@ -37,6 +37,11 @@ def test_value_types_compare_and_hash_by_value() -> None:
     assert hash(stepllm.ImmutableDecodeBatch(residents=[a])) == hash(stepllm.ImmutableDecodeBatch([b]))
     assert stepllm.TokenDelta([1, 2], "hi") == stepllm.TokenDelta(token_ids=[1, 2], text="hi")
     assert repr(stepllm.TokenDelta([1], "a")) == "TokenDelta(token_ids=[1], text='a')"
+    lp = stepllm.TokenLogprob(1, -0.5, [(1, -0.5)])
+    with_logprobs = stepllm.StreamChunk([1], "a", logprobs=[lp], prompt_logprobs=[None, lp])
+    assert repr(with_logprobs) == (f"StreamChunk(token_ids=[1], text='a', logprobs=[{lp!r}], "
+                                   f"prompt_logprobs=[None, {lp!r}])")
+    assert eval(repr(with_logprobs), {**vars(stepllm)}) == with_logprobs
     assert stepllm.StreamChunk([1], "a") == stepllm.StreamChunk([1], "a")
 
 

@@ -214,8 +214,19 @@ macro_rules! token_delta_class {
             fn __hash__(&self) -> u64 {
                 $crate::hashing::py_hash(&self.0)
             }
+            /// Its constructor call: logprobs and prompt_logprobs only where present (most deltas have neither).
             fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
-                $crate::types::py_repr!(py, $name, "token_ids" => self.0.token_ids.to_vec(), "text" => self.0.text.as_str())
+                let mut parts = vec![
+                    format!("token_ids={}", $crate::types::repr_of(py, self.0.token_ids.to_vec())?),
+                    format!("text={}", $crate::types::repr_of(py, self.0.text.as_str())?),
+                ];
+                if self.0.logprobs.is_some() {
+                    parts.push(format!("logprobs={}", $crate::types::repr_of(py, self.logprobs())?));
+                }
+                if self.0.prompt_logprobs.is_some() {
+                    parts.push(format!("prompt_logprobs={}", $crate::types::repr_of(py, self.prompt_logprobs())?));
+                }
+                Ok(format!("{}({})", $name, parts.join(", ")))
             }
         }
     };
