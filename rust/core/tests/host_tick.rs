@@ -263,7 +263,7 @@ fn decode_tick_host_time() {
     println!("{:>5} {:>6} {:>6} {:>10} {:>6} | {:>9} {:>9} {:>8} {:>8}", "batch", "prompt", "ticks", "commit", "stops", "host us", "call us", "p50", "p99");
     let stop_list = vec!["</answer>".to_string(), "\n\nUser:".to_string()];
     let mut setups = Vec::new();
-    for batch in [1, 8, 64] {
+    for batch in [1, 8, 64, 256] {
         setups.push(Setup { batch, prompt_len: 128, ticks: 200, commit: CommitPolicy::PrefillOnly, stops: Vec::new() });
     }
     for batch in [1, 8, 64] {
