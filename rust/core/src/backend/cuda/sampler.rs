@@ -87,6 +87,10 @@ impl Sampler {
             return Ok(Vec::new());
         }
         let tokens = if rows.iter().all(|ctx| ctx.is_plain_argmax()) { self.argmax_tokens(backend, logits.argmax, n)? } else { self.draw(backend, logits, vocab, rows)? };
+        if rows.iter().all(|ctx| ctx.params.logprobs.is_none()) {
+            // The usual decode step: no logits come back and nothing is scored.
+            return Ok(tokens.into_iter().map(|token_id| Sampled { token_id, logprob: None }).collect());
+        }
         let logprobs = logprobs_of_rows(backend, logits, vocab, rows, &tokens)?;
         Ok(tokens.into_iter().zip(logprobs).map(|(token_id, logprob)| Sampled { token_id, logprob }).collect())
     }
