@@ -16,11 +16,21 @@ pub fn repr_of<'py, T: IntoPyObject<'py>>(py: Python<'py>, v: T) -> PyResult<Str
     Ok(v.into_bound_py_any(py)?.repr()?.to_string())
 }
 
+/// `field=repr`, one argument of a repr.
+pub fn repr_field<'py, T: IntoPyObject<'py>>(py: Python<'py>, field: &str, v: T) -> PyResult<String> {
+    Ok(format!("{field}={}", repr_of(py, v)?))
+}
+
+/// `Name(arguments...)`.
+pub fn repr_call(name: &str, parts: &[String]) -> String {
+    format!("{name}({})", parts.join(", "))
+}
+
 /// `Name(field=repr, ...)`.
 macro_rules! py_repr {
     ($py:expr, $name:expr, $($field:literal => $value:expr),* $(,)?) => {{
-        let parts: Vec<String> = vec![$(format!("{}={}", $field, $crate::types::repr_of($py, $value)?)),*];
-        Ok::<String, pyo3::PyErr>(format!("{}({})", $name, parts.join(", ")))
+        let parts: Vec<String> = vec![$($crate::types::repr_field($py, $field, $value)?),*];
+        Ok::<String, pyo3::PyErr>($crate::types::repr_call($name, &parts))
     }};
 }
 pub(crate) use py_repr;
@@ -216,17 +226,16 @@ macro_rules! token_delta_class {
             }
             /// Its constructor call: logprobs and prompt_logprobs only where present (most deltas have neither).
             fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
-                let mut parts = vec![
-                    format!("token_ids={}", $crate::types::repr_of(py, self.0.token_ids.to_vec())?),
-                    format!("text={}", $crate::types::repr_of(py, self.0.text.as_str())?),
-                ];
+                use $crate::types::repr_field;
+                let mut parts =
+                    vec![repr_field(py, "token_ids", self.0.token_ids.to_vec())?, repr_field(py, "text", self.0.text.as_str())?];
                 if self.0.logprobs.is_some() {
-                    parts.push(format!("logprobs={}", $crate::types::repr_of(py, self.logprobs())?));
+                    parts.push(repr_field(py, "logprobs", self.logprobs())?);
                 }
                 if self.0.prompt_logprobs.is_some() {
-                    parts.push(format!("prompt_logprobs={}", $crate::types::repr_of(py, self.prompt_logprobs())?));
+                    parts.push(repr_field(py, "prompt_logprobs", self.prompt_logprobs())?);
                 }
-                Ok(format!("{}({})", $name, parts.join(", ")))
+                Ok($crate::types::repr_call($name, &parts))
             }
         }
     };
