@@ -213,6 +213,33 @@ def test_prompt_logprobs_match_transformers_bf16(models_dir: Path) -> None:
             assert abs(lp.logprob - want[p, token].item()) < tol, (len(prompt), p, lp.logprob, want[p, token].item(), tol)
 
 
+def assert_scored_consistently(lp: stepllm.TokenLogprob, top: int) -> None:
+    """What one device-scored position (kernels/logprobs.cu) must satisfy exactly: `top` distinct alternatives, best
+    first with ties to the lower id, none above 0, their probabilities summing to at most 1, and the token's own
+    logprob equal, bit for bit, to its entry when it is among them (both are its logit less one log-sum-exp)."""
+    assert len(lp.top) == top and len({i for i, _ in lp.top}) == top, lp
+    for (a, x), (b, y) in zip(lp.top, lp.top[1:]):
+        assert x > y or (x == y and a < b), lp
+    assert all(v <= 0.0 for _, v in lp.top) and sum(math.exp(v) for _, v in lp.top) <= 1.0 + 1e-5, lp
+    assert lp.logprob <= 0.0, lp
+    if lp.token_id in dict(lp.top):
+        assert dict(lp.top)[lp.token_id] == lp.logprob, lp
+
+
+def test_device_scored_logprobs_are_consistent(models_dir: Path) -> None:
+    """Sampled-token and prompt logprobs, both scored on the device: each position consistent in itself, and a
+    greedy token is its position's best alternative."""
+    path = gpu_models.make("smollm2", models_dir)
+    out = coordinator(path, "cuda").dispatch_request([stepllm.GenerationRequest(PROMPT, greedy(6, logprobs=20, prompt_logprobs=5))])[0]
+    assert len(out.logprobs) == 6 and out.prompt_logprobs is not None and len(out.prompt_logprobs) == len(PROMPT)
+    for token, lp in zip(out.output_ids, out.logprobs):
+        assert lp.token_id == token and lp.top[0][0] == token, lp
+        assert_scored_consistently(lp, 20)
+    for token, lp in zip(PROMPT[1:], out.prompt_logprobs[1:]):
+        assert lp is not None and lp.token_id == token
+        assert_scored_consistently(lp, 5)
+
+
 def test_gpu_greedy_matches_transformers(shape: tuple[str, Path]) -> None:
     import transformers
 

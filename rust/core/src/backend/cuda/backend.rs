@@ -168,6 +168,8 @@ struct Kernels {
     bf16_cache: CacheKernels,
     fp8_cache: OnceLock<CacheKernels>,
     pub sample: Func,
+    /// Logprobs of logits rows (kernels/logprobs.cu).
+    score: Func,
 }
 
 /// The kernels that read or write the KV cache, for one cache element type.
@@ -264,6 +266,7 @@ impl Kernels {
             bf16_cache: CacheKernels::load(gpu, KvCacheDtype::Auto)?,
             fp8_cache: OnceLock::new(),
             sample: gpu.function("sampling", "sample_rows")?,
+            score: gpu.function("logprobs", "score_rows")?,
         })
     }
 
@@ -516,6 +519,10 @@ impl CudaBackend {
 
     pub(super) fn sample_kernel(&self) -> Func {
         self.inner.kernels.sample
+    }
+
+    pub(super) fn score_kernel(&self) -> Func {
+        self.inner.kernels.score
     }
 
     /// `x`'s values as f32 on the host, whatever the logits mode (a tensor-parallel all-reduce through host memory).

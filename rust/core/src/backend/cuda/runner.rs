@@ -20,7 +20,8 @@ use crate::backend::{BatchPlan, KvCacheDtype};
 use crate::error::{protocol, Error, Result};
 use crate::model::llama::LlamaModel;
 use crate::model::{ForwardBatch, ModelConfig, ModelRunner, SeqSlice, StepTiming};
-use crate::sampling::{RowContext, Sampled};
+use crate::request::TokenLogprob;
+use crate::sampling::{RowContext, Sampled, ScoreRow};
 
 /// Graph buckets past 8 step by this much up to 64, then by twice as much.
 const BUCKET_STEP: usize = 8;
@@ -376,6 +377,31 @@ impl ModelRunner for CudaRunner {
             trace.record_sampled();
         }
         sampled
+    }
+
+    /// Prompt positions are scored on the device beside the step's sampling: their logits never leave it.
+    fn forward_sample_and_score(&mut self, batch: &ForwardBatch, rows: &[RowContext], scores: &[ScoreRow]) -> Result<(Vec<Sampled>, Vec<TokenLogprob>)> {
+        if scores.is_empty() {
+            return Ok((self.forward_and_sample(batch, rows)?, Vec::new()));
+        }
+        if rows.len() + scores.len() != batch.logits_for.len() {
+            return protocol(format!(
+                "{} sampling rows and {} scored rows for {} logits rows",
+                rows.len(),
+                scores.len(),
+                batch.logits_for.len()
+            ));
+        }
+        self.backend.gpu().bind()?;
+        let logits = self.forward_on_device(batch)?.ok_or_else(|| Error::Device("a forward with scored rows left no logits".into()))?;
+        self.forget_device_rows(); // not a decode replay: the next step uploads its metadata
+        let vocab = self.model.config().vocab_size;
+        let sampled = self.sampler.sample(&self.backend, logits, vocab, rows)?;
+        let sampling_wait = self.sampler.last_wait_us;
+        let scored: Vec<(usize, ScoreRow)> = scores.iter().enumerate().map(|(i, s)| (rows.len() + i, *s)).collect();
+        let logprobs = self.sampler.score(&self.backend, logits.ptr, vocab, &scored)?;
+        self.last_wait_us = sampling_wait + self.sampler.last_wait_us;
+        Ok((sampled, logprobs))
     }
 
     fn last_step_timing(&self) -> StepTiming {

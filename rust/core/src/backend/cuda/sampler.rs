@@ -1,52 +1,36 @@
 //! Host side of GPU sampling (kernels/sampling.cu): packs every row's parameters, penalty token ids and
 //! logit biases into one buffer, copies it in one transfer, launches one block per row, and copies back only
 //! the chosen tokens. A step whose rows are all plain greedy skips that: the forward already left each row's
-//! argmax on the device (kernels/gemv.cu argmax_rows), so only those are copied back. Logprobs, when rows ask
-//! for them, are computed on the host from their raw logits (copied back in one transfer).
-
-use half::bf16;
-use rayon::prelude::*;
+//! argmax on the device (kernels/gemv.cu argmax_rows), so only those are copied back. Logprobs, of sampled rows
+//! that ask for them and of prompt positions, are scored on the device too (kernels/logprobs.cu): a few words a
+//! row come back instead of its logits.
 
 use std::time::Instant;
 
 use super::backend::{CudaBackend, DeviceLogits};
 use super::device::{Arg, DeviceBuffer, PinnedBuffer};
 use crate::error::Result;
-use crate::request::TokenLogprob;
-use crate::sampling::{is_greedy, score_rows, seeded_uniform, RowContext, Sampled, ScoreRow};
+use crate::request::{TokenLogprob, MAX_LOGPROBS};
+use crate::sampling::{is_greedy, seeded_uniform, RowContext, Sampled, ScoreRow};
 
-/// The logprobs of the rows that ask for them (None for the others): their logits rows come back, a run of
-/// consecutive such rows in one transfer, and are scored on the host in parallel (row by row, each its own
-/// transfer and all on one core, a batch of 64 rows took milliseconds).
-fn logprobs_of_rows(
-    backend: &CudaBackend,
-    logits: DeviceLogits,
-    vocab: usize,
-    rows: &[RowContext],
-    tokens: &[u32],
-) -> Result<Vec<Option<TokenLogprob>>> {
-    let asking: Vec<usize> = (0..rows.len()).filter(|&i| rows[i].params.logprobs.is_some()).collect();
-    let mut raw = vec![bf16::ZERO; asking.len() * vocab];
-    let mut slot = 0;
-    for run in asking.chunk_by(|a, b| b == &(a + 1)) {
-        let dst = &mut raw[slot * vocab..(slot + run.len()) * vocab];
-        backend.gpu().download(dst, logits.ptr + (run[0] * vocab * 2) as u64)?;
-        slot += run.len();
-    }
-    Ok(score_bf16_rows(&raw, &asking, vocab, rows, tokens))
-}
+/// Words kernels/logprobs.cu returns per scored row: the log-sum-exp, the token's logit, MAX_LOGPROBS ids and
+/// their logits (f32 as bits).
+const LOGPROB_WORDS: usize = 2 + 2 * MAX_LOGPROBS;
+/// The id that ends a row's alternatives early (LOGPROB_NO_ID: the row holds fewer numbers than it asked for).
+const NO_ID: u32 = u32::MAX;
 
-/// Each asking row's logprob of its token and its top alternatives (None for the other rows), from `raw`: the
-/// bf16 logits rows of the rows `asking`, back to back; scored as prompt positions are ([`score_rows`]).
-fn score_bf16_rows(raw: &[bf16], asking: &[usize], vocab: usize, rows: &[RowContext], tokens: &[u32]) -> Vec<Option<TokenLogprob>> {
-    let raw: Vec<f32> = raw.par_iter().map(|v| v.to_f32()).collect();
-    let scores: Vec<ScoreRow> =
-        asking.iter().map(|&i| ScoreRow { token_id: tokens[i], top: rows[i].params.logprobs.unwrap_or(0) }).collect();
-    let mut out = vec![None; rows.len()];
-    for (&i, logprob) in asking.iter().zip(score_rows(&raw, vocab, &scores)) {
-        out[i] = Some(logprob);
-    }
-    out
+/// A scored row's logprobs from its LOGPROB_WORDS words: its logits less their log-sum-exp, as
+/// `sampling::token_logprob` computes them on the host.
+fn token_logprob_of_words(words: &[u32], score: ScoreRow) -> TokenLogprob {
+    let lse = f32::from_bits(words[0]);
+    let (ids, logits) = words[2..].split_at(MAX_LOGPROBS);
+    let top = ids[..score.top.min(MAX_LOGPROBS)]
+        .iter()
+        .zip(logits)
+        .take_while(|(&id, _)| id != NO_ID)
+        .map(|(&id, &logit)| (id, f32::from_bits(logit) - lse))
+        .collect();
+    TokenLogprob { token_id: score.token_id, logprob: f32::from_bits(words[1]) - lse, top }
 }
 
 /// Words per row of `RowParams` in kernels/sampling.cu.
@@ -65,6 +49,10 @@ pub struct Sampler {
     /// Where the bias pairs start in `host`.
     bias_offset: usize,
     keys: Option<PinnedBuffer<u64>>,
+    /// Scoring: each row's (logits row, token, alternatives) as kernels/logprobs.cu reads them, and its answers.
+    score_host: Vec<u32>,
+    score_meta: Option<DeviceBuffer>,
+    score_out: Vec<u32>,
     /// Microseconds the last `sample` spent blocked on the device (waiting for the forward and the sampler).
     pub last_wait_us: u64,
 }
@@ -91,8 +79,49 @@ impl Sampler {
             // The usual decode step: no logits come back and nothing is scored.
             return Ok(tokens.into_iter().map(|token_id| Sampled { token_id, logprob: None }).collect());
         }
-        let logprobs = logprobs_of_rows(backend, logits, vocab, rows, &tokens)?;
+        let asking: Vec<(usize, ScoreRow)> = (0..n)
+            .filter_map(|i| rows[i].params.logprobs.map(|top| (i, ScoreRow { token_id: tokens[i], top })))
+            .collect();
+        let waited = self.last_wait_us;
+        let mut scored = self.score(backend, logits.ptr, vocab, &asking)?.into_iter();
+        self.last_wait_us += waited;
+        let mut logprobs = vec![None; n];
+        for (i, _) in &asking {
+            logprobs[*i] = scored.next();
+        }
         Ok(tokens.into_iter().zip(logprobs).map(|(token_id, logprob)| Sampled { token_id, logprob }).collect())
+    }
+
+    /// Logprobs on the device (kernels/logprobs.cu): `scored[i] = (row, score)` scores logits row `row` of the
+    /// bf16 logits at `logits` (rows of `vocab`) for `score`'s token and alternatives. Sets `last_wait_us`.
+    pub fn score(&mut self, backend: &CudaBackend, logits: u64, vocab: usize, scored: &[(usize, ScoreRow)]) -> Result<Vec<TokenLogprob>> {
+        self.last_wait_us = 0;
+        let n = scored.len();
+        if n == 0 {
+            return Ok(Vec::new());
+        }
+        self.score_host.clear();
+        self.score_host.extend(scored.iter().map(|(row, _)| *row as u32));
+        self.score_host.extend(scored.iter().map(|(_, s)| s.token_id));
+        self.score_host.extend(scored.iter().map(|(_, s)| s.top as u32));
+        let gpu = backend.gpu();
+        let meta = grow(backend, &mut self.score_meta, (3 + LOGPROB_WORDS) * n * 4)?;
+        gpu.upload(meta, &self.score_host)?;
+        let out = meta + 4 * (3 * n) as u64;
+        let args = [
+            Arg::Ptr(logits),
+            Arg::I32(vocab as i32),
+            Arg::Ptr(meta),
+            Arg::Ptr(meta + 4 * n as u64),
+            Arg::Ptr(meta + 8 * n as u64),
+            Arg::Ptr(out),
+        ];
+        gpu.launch(backend.score_kernel(), (n as u32, 1, 1), 1024, &args)?;
+        self.score_out.resize(LOGPROB_WORDS * n, 0);
+        let waited = Instant::now();
+        gpu.download(&mut self.score_out, out)?;
+        self.last_wait_us = waited.elapsed().as_micros() as u64;
+        Ok(self.score_out.chunks(LOGPROB_WORDS).zip(scored).map(|(words, (_, score))| token_logprob_of_words(words, *score)).collect())
     }
 
     /// The argmax the forward computed for each of `n` rows (keys at device address `keys`).
@@ -211,28 +240,24 @@ impl Sampler {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::request::SamplingParams;
 
     #[test]
-    fn rows_asking_for_logprobs_are_scored_from_their_own_downloaded_rows() {
-        let vocab = 7;
-        let plain = SamplingParams::default();
-        let asking = SamplingParams { logprobs: Some(2), ..SamplingParams::default() };
-        let params = [&plain, &asking, &plain, &asking, &asking];
-        let rows: Vec<RowContext> = params
-            .iter()
-            .map(|p| RowContext { params: p, prompt_ids: &[], output_ids: &[], position: 0, seed: 0, banned: &[] })
-            .collect();
-        let tokens = [0, 3, 1, 5, 2];
-        // The asking rows came back (1, then the run 3-4), each with a different peak.
-        let logits = |row: usize| (0..vocab).map(move |j| ((j * 3 + row * 5) % vocab) as f32 * 0.5 - 1.0);
-        let raw: Vec<bf16> = [1, 3, 4].into_iter().flat_map(logits).map(bf16::from_f32).collect();
-        let got = score_bf16_rows(&raw, &[1, 3, 4], vocab, &rows, &tokens);
-        let want = |row: usize| {
-            let row_f32: Vec<f32> = logits(row).map(|v| bf16::from_f32(v).to_f32()).collect();
-            Some(crate::sampling::token_logprob(&row_f32, tokens[row], 2))
-        };
-        assert_eq!(got, vec![None, want(1), None, want(3), want(4)]);
-        assert!(want(1) != want(3) && want(3) != want(4));
+    fn scored_words_become_logprobs_less_the_log_sum_exp() {
+        let lse = 2.5f32;
+        let mut words = vec![0u32; LOGPROB_WORDS];
+        words[0] = lse.to_bits();
+        words[1] = 1.0f32.to_bits();
+        // Two alternatives found, then the end mark: a row with two numbers that asked for three.
+        for (k, (id, logit)) in [(7u32, 2.0f32), (3, 1.0)].into_iter().enumerate() {
+            words[2 + k] = id;
+            words[2 + MAX_LOGPROBS + k] = logit.to_bits();
+        }
+        words[4] = NO_ID;
+        let got = token_logprob_of_words(&words, ScoreRow { token_id: 3, top: 3 });
+        assert_eq!(got, TokenLogprob { token_id: 3, logprob: 1.0 - lse, top: vec![(7, 2.0 - lse), (3, 1.0 - lse)] });
+        // Fewer asked for than found: only those come back.
+        let one = token_logprob_of_words(&words, ScoreRow { token_id: 7, top: 1 });
+        assert_eq!(one.top, vec![(7, 2.0 - lse)]);
+        assert_eq!(token_logprob_of_words(&words, ScoreRow { token_id: 7, top: 0 }).top, vec![]);
     }
 }
