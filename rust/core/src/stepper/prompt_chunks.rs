@@ -10,8 +10,9 @@ use crate::step::{ScheduledSequenceDescriptor, SequenceWork};
 
 use super::RuntimeStepper;
 
-/// Host memory a step may spend on the f32 logits of prompt positions scored for prompt logprobs: a prompt that
-/// asks for them takes chunks of at most this many positions' logits (about 440 for a 152k vocabulary).
+/// Memory a step may spend on the logits of prompt positions scored for prompt logprobs, counted as f32 (as the
+/// CPU keeps them; a GPU keeps them on the device in bf16, half of it, and scores them there): a prompt that asks
+/// for them takes chunks of at most this many positions' logits (about 440 for a 152k vocabulary).
 const SCORED_LOGITS_BYTES: usize = 256 << 20;
 
 impl RuntimeStepper {
