@@ -363,7 +363,7 @@ void run_shape(const Shape& s) {
     const double chain_us = time_graph(chain) / d.L;
     printf("%s: %d layers of %.2f MB; separate bulk kernels (stand-in attention + 4 GEMVs, PDL): %.2f us a layer "
            "(%.2f TB/s)\n",
-           s.name, d.L, mb, chain_us, mb / chain_us / 1e6);
+           s.name, d.L, mb, chain_us, mb / chain_us);
 
     for (int cs : {4, 8, 16}) {
         const void* f = (const void*)cluster_layers;
@@ -409,7 +409,7 @@ void run_shape(const Shape& s) {
                 const double us = time_graph(one) / d.L;
                 printf("%s: one cluster of %d, %d stages of %d KB%s: %.2f us a layer (%.2f TB/s), %.0f%% of the chain\n",
                        s.name, cs, stages, stage_bytes / 1024, compute ? "" : ", weights streamed only (no products)",
-                       us, mb / us / 1e6, 100.0 * us / chain_us);
+                       us, mb / us, 100.0 * us / chain_us);
             }
         }
     }
