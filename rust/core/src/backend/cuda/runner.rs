@@ -394,7 +394,6 @@ impl ModelRunner for CudaRunner {
         }
         self.backend.gpu().bind()?;
         let logits = self.forward_on_device(batch)?.ok_or_else(|| Error::Device("a forward with scored rows left no logits".into()))?;
-        self.forget_device_rows(); // not a decode replay: the next step uploads its metadata
         let vocab = self.model.config().vocab_size;
         let sampled = self.sampler.sample(&self.backend, logits, vocab, rows)?;
         let sampling_wait = self.sampler.last_wait_us;
