@@ -396,10 +396,10 @@ impl ModelRunner for CudaRunner {
         let logits = self.forward_on_device(batch)?.ok_or_else(|| Error::Device("a forward with scored rows left no logits".into()))?;
         let vocab = self.model.config().vocab_size;
         let sampled = self.sampler.sample(&self.backend, logits, vocab, rows)?;
-        let sampling_wait = self.sampler.last_wait_us;
+        // The scored rows follow the sampled ones in `logits_for`.
         let scored: Vec<(usize, ScoreRow)> = scores.iter().enumerate().map(|(i, s)| (rows.len() + i, *s)).collect();
         let logprobs = self.sampler.score(&self.backend, logits.ptr, vocab, &scored)?;
-        self.last_wait_us = sampling_wait + self.sampler.last_wait_us;
+        self.last_wait_us = self.sampler.last_wait_us;
         Ok((sampled, logprobs))
     }
 

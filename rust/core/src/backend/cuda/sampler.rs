@@ -53,7 +53,8 @@ pub struct Sampler {
     score_host: Vec<u32>,
     score_meta: Option<DeviceBuffer>,
     score_out: Vec<u32>,
-    /// Microseconds the last `sample` spent blocked on the device (waiting for the forward and the sampler).
+    /// Microseconds the last `sample`, and a `score` after it, spent blocked on the device (waiting for the forward,
+    /// the sampler and the scorer).
     pub last_wait_us: u64,
 }
 
@@ -82,20 +83,18 @@ impl Sampler {
         let asking: Vec<(usize, ScoreRow)> = (0..n)
             .filter_map(|i| rows[i].params.logprobs.map(|top| (i, ScoreRow { token_id: tokens[i], top })))
             .collect();
-        let waited = self.last_wait_us;
-        let mut scored = self.score(backend, logits.ptr, vocab, &asking)?.into_iter();
-        self.last_wait_us += waited;
+        let scored = self.score(backend, logits.ptr, vocab, &asking)?;
         let mut logprobs = vec![None; n];
-        for (i, _) in &asking {
-            logprobs[*i] = scored.next();
+        for ((i, _), logprob) in asking.iter().zip(scored) {
+            logprobs[*i] = Some(logprob);
         }
         Ok(tokens.into_iter().zip(logprobs).map(|(token_id, logprob)| Sampled { token_id, logprob }).collect())
     }
 
     /// Logprobs on the device (kernels/logprobs.cu): `scored[i] = (row, score)` scores logits row `row` of the
-    /// bf16 logits at `logits` (rows of `vocab`) for `score`'s token and alternatives. Sets `last_wait_us`.
+    /// bf16 logits at `logits` (rows of `vocab`) for `score`'s token and alternatives. Called after `sample` for
+    /// the same step: adds its own wait to `last_wait_us`, which `sample` set.
     pub fn score(&mut self, backend: &CudaBackend, logits: u64, vocab: usize, scored: &[(usize, ScoreRow)]) -> Result<Vec<TokenLogprob>> {
-        self.last_wait_us = 0;
         let n = scored.len();
         if n == 0 {
             return Ok(Vec::new());
@@ -120,7 +119,7 @@ impl Sampler {
         self.score_out.resize(LOGPROB_WORDS * n, 0);
         let waited = Instant::now();
         gpu.download(&mut self.score_out, out)?;
-        self.last_wait_us = waited.elapsed().as_micros() as u64;
+        self.last_wait_us += waited.elapsed().as_micros() as u64;
         Ok(self.score_out.chunks(LOGPROB_WORDS).zip(scored).map(|(words, (_, score))| token_logprob_of_words(words, *score)).collect())
     }
 
