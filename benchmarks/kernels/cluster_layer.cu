@@ -25,23 +25,13 @@
 //   nvcc -arch=sm_90 -DSTEPLLM_PDL -O3 -std=c++17 -I kernels -o /tmp/cluster_layer benchmarks/kernels/cluster_layer.cu
 //   /tmp/cluster_layer
 #include "gemv_bulk.cu"
+#include "bench_harness.cuh"
 
 #include <cooperative_groups.h>
 
-#include <cstdio>
-#include <cstdlib>
 #include <vector>
 
 namespace cg = cooperative_groups;
-
-#define CK(call)                                                                         \
-    do {                                                                                 \
-        cudaError_t e_ = (call);                                                         \
-        if (e_ != cudaSuccess) {                                                         \
-            fprintf(stderr, "%s:%d: %s\n", __FILE__, __LINE__, cudaGetErrorString(e_)); \
-            exit(1);                                                                     \
-        }                                                                                \
-    } while (0)
 
 #define CL_THREADS 256
 #define CL_WARPS 8
@@ -224,24 +214,6 @@ extern "C" __global__ void __launch_bounds__(CL_THREADS, 1)
 
 // ---- host ----
 
-__global__ void fill_random(bf16* p, size_t n, u32 seed, float scale) {
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
-        u32 h = (u32)i * 2654435761u ^ seed;
-        h ^= h >> 13, h *= 0x5bd1e995u, h ^= h >> 15;
-        p[i] = __float2bfloat16(((h & 0xffff) / 65536.0f - 0.5f) * scale);
-    }
-}
-
-__global__ void fill_ones(float* p, int n) {
-    for (int i = threadIdx.x; i < n; i += blockDim.x) p[i] = 1.0f;
-}
-
-// The stand-in attention of the separate-kernel chain, as gemv_chain.cu's.
-extern "C" __global__ void standin_attention(const bf16* qkv, bf16* att, int n) {
-    kernel_begin();
-    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) att[i] = qkv[i];
-}
-
 static cudaStream_t stream;
 static int sms;
 
@@ -282,29 +254,6 @@ void bulk(BulkFn f, bool silu, const bf16* x, const float* norm, const bf16* w, 
     const float* bias = nullptr;
     void* args[] = {&x, &norm, &eps, &w, &bias, &y, &n, &k, &stage_rows, &stages};
     launch((const void*)f, dim3(sms), dim3(BULK_THREADS), smem, args, true);
-}
-
-template <typename Record>
-double time_graph(Record record, int reps = 200) {
-    cudaGraph_t graph;
-    cudaGraphExec_t exec;
-    CK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeRelaxed));
-    record();
-    CK(cudaStreamEndCapture(stream, &graph));
-    CK(cudaGraphInstantiate(&exec, graph, 0));
-    for (int i = 0; i < 20; i++) CK(cudaGraphLaunch(exec, stream));
-    cudaEvent_t a, b;
-    CK(cudaEventCreate(&a));
-    CK(cudaEventCreate(&b));
-    CK(cudaEventRecord(a, stream));
-    for (int i = 0; i < reps; i++) CK(cudaGraphLaunch(exec, stream));
-    CK(cudaEventRecord(b, stream));
-    CK(cudaEventSynchronize(b));
-    float ms = 0;
-    CK(cudaEventElapsedTime(&ms, a, b));
-    CK(cudaGraphExecDestroy(exec));
-    CK(cudaGraphDestroy(graph));
-    return ms * 1e3 / reps;
 }
 
 struct Shape {
@@ -360,7 +309,7 @@ void run_shape(const Shape& s) {
     CK(cudaStreamSynchronize(stream));
     std::vector<bf16> ref(d.H);
     CK(cudaMemcpy(ref.data(), h, d.H * 2, cudaMemcpyDeviceToHost));
-    const double chain_us = time_graph(chain) / d.L;
+    const double chain_us = time_graph(stream, chain) / d.L;
     printf("%s: %d layers of %.2f MB; separate bulk kernels (stand-in attention + 4 GEMVs, PDL): %.2f us a layer "
            "(%.2f TB/s)\n",
            s.name, d.L, mb, chain_us, mb / chain_us);
@@ -406,7 +355,7 @@ void run_shape(const Shape& s) {
                     printf("%s: cluster of %d agrees with the chain to %.2e of max |h| (%.3g)\n", s.name, cs, worst,
                            scale);
                 }
-                const double us = time_graph(one) / d.L;
+                const double us = time_graph(stream, one) / d.L;
                 printf("%s: one cluster of %d, %d stages of %d KB%s: %.2f us a layer (%.2f TB/s), %.0f%% of the chain\n",
                        s.name, cs, stages, stage_bytes / 1024, compute ? "" : ", weights streamed only (no products)",
                        us, mb / us, 100.0 * us / chain_us);

@@ -18,6 +18,7 @@
 #include "gemv_bulk.cu"
 #include "projection_chain.cu"
 #include "mlp_fused.cu"
+#include "bench_harness.cuh"
 
 #include <cstdio>
 #include <cstdlib>
@@ -25,28 +26,7 @@
 #include <utility>
 #include <vector>
 
-#define CK(call)                                                                                  \
-    do {                                                                                          \
-        cudaError_t e_ = (call);                                                                  \
-        if (e_ != cudaSuccess) {                                                                  \
-            fprintf(stderr, "%s:%d: %s\n", __FILE__, __LINE__, cudaGetErrorString(e_));          \
-            exit(1);                                                                              \
-        }                                                                                         \
-    } while (0)
-
 typedef void (*GemvFn)(const bf16*, const float*, float, const bf16*, const float*, bf16*, int, int, int);
-
-__global__ void fill_random(bf16* p, size_t n, u32 seed, float scale) {
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
-        u32 h = (u32)i * 2654435761u ^ seed;
-        h ^= h >> 13, h *= 0x5bd1e995u, h ^= h >> 15;
-        p[i] = __float2bfloat16(((h & 0xffff) / 65536.0f - 0.5f) * scale);
-    }
-}
-
-__global__ void fill_ones(float* p, int n) {
-    for (int i = threadIdx.x; i < n; i += blockDim.x) p[i] = 1.0f;
-}
 
 extern "C" __global__ void nothing() { kernel_begin(); }
 
@@ -158,13 +138,8 @@ void chain_launch(const Gpu& g, int m, Chain c) {
     launch(g, f, dim3(g.sms), dim3(BULK_THREADS), smem, args);
 }
 
-// Stands in for the attention between a layer's QKV and O: a small kernel that reads qkv and writes the O input.
-// The second form releases the next kernel before it waits, so O's weights load while QKV still runs (tried
-// in the decode attention too: the runtime got slower, benchmarks/RESULTS.md).
-extern "C" __global__ void standin_attention(const bf16* qkv, bf16* att, int n) {
-    kernel_begin();
-    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) att[i] = qkv[i];
-}
+// bench_harness.cuh's stand-in attention, releasing the next kernel before it waits, so O's weights load while
+// QKV still runs (tried in the decode attention too: the runtime got slower, benchmarks/RESULTS.md).
 extern "C" __global__ void standin_attention_releasing_first(const bf16* qkv, bf16* att, int n) {
     pdl_launch_dependents();
     pdl_wait();
@@ -176,29 +151,6 @@ struct Layer {
 };
 
 const int HIDDEN = 1024, QKV = 4096, Q = 2048, FF = 3072, LAYERS = 28;
-
-template <typename Record>
-double time_graph(const Gpu& g, Record record, int reps = 200) {
-    cudaGraph_t graph;
-    cudaGraphExec_t exec;
-    CK(cudaStreamBeginCapture(g.stream, cudaStreamCaptureModeRelaxed));
-    record();
-    CK(cudaStreamEndCapture(g.stream, &graph));
-    CK(cudaGraphInstantiate(&exec, graph, 0));
-    for (int i = 0; i < 20; i++) CK(cudaGraphLaunch(exec, g.stream));
-    cudaEvent_t a, b;
-    CK(cudaEventCreate(&a));
-    CK(cudaEventCreate(&b));
-    CK(cudaEventRecord(a, g.stream));
-    for (int i = 0; i < reps; i++) CK(cudaGraphLaunch(exec, g.stream));
-    CK(cudaEventRecord(b, g.stream));
-    CK(cudaEventSynchronize(b));
-    float ms = 0;
-    CK(cudaEventElapsedTime(&ms, a, b));
-    CK(cudaGraphExecDestroy(exec));
-    CK(cudaGraphDestroy(graph));
-    return ms * 1e3 / reps;
-}
 
 void mlp_section(Gpu& g, std::vector<Layer>& layers, bf16* h, float* norm);
 void l2_section(Gpu& g, std::vector<Layer>& layers, bf16* h, float* norm);
@@ -331,7 +283,7 @@ int main(int argc, char** argv) {
         void* standin_args[] = {&qkv4, &att4, &q_width};
         // µs per layer of 28: the first QKV, then per layer the stand-in attention and the rest of the layer.
         auto per_layer = [&](int m, const void* standin, auto rest_of_layer) {
-            return time_graph(g, [&] {
+            return time_graph(g.stream, [&] {
                        gemv(g, NORM_STORE, m, h4, norm, layers[0].qkv, qkv4, QKV, HIDDEN);
                        for (int l = 0; l < LAYERS; l++) {
                            launch(g, standin, dim3(8), dim3(256), 0, standin_args);
@@ -363,7 +315,7 @@ int main(int argc, char** argv) {
     }
 
     auto measure = [&](const char* label) {
-        const double layer = time_graph(g, [&] {
+        const double layer = time_graph(g.stream, [&] {
             for (auto& l : layers) {
                 gemv(g, NORM_STORE, 1, h, norm, l.qkv, qkv, QKV, HIDDEN);
                 gemv(g, PLAIN_ADD, 1, qkv, nullptr, l.o, h, HIDDEN, Q);
@@ -379,7 +331,7 @@ int main(int argc, char** argv) {
                             {"gate/up", &NORM_SILU, h, act, 2 * FF, HIDDEN},
                             {"down", &PLAIN_ADD, act, h, HIDDEN, FF}};
         for (const One& o : ones) {
-            const double us = time_graph(g, [&] {
+            const double us = time_graph(g.stream, [&] {
                 for (auto& l : layers) {
                     const bf16* w = o.n == QKV ? l.qkv : o.n == HIDDEN && o.k == Q ? l.o : o.kind->silu ? l.gu : l.down;
                     gemv(g, *o.kind, 1, o.x, o.kind == &PLAIN_ADD ? nullptr : norm, w, o.y, o.n, o.k);
@@ -409,7 +361,7 @@ int main(int argc, char** argv) {
             }
         }
         for (int blocks : {1, g.sms, 4 * g.sms}) {
-            const double us = time_graph(g, [&] {
+            const double us = time_graph(g.stream, [&] {
                 for (int i = 0; i < 4 * LAYERS; i++) launch(g, (const void*)nothing, dim3(blocks), dim3(256), 0, nullptr);
             }) / (4 * LAYERS);
             printf("pdl %d: empty kernel of %d blocks: %.2f us each\n", pdl, blocks, us);
@@ -484,7 +436,7 @@ void mlp_section(Gpu& g, std::vector<Layer>& layers, bf16* h, float* norm) {
     void* standin_args[] = {&qkv, &att, &q_width};
     for (int round = 0; round < 2; round++) {
         for (int fused = 0; fused < 2; fused++) {
-            const double layer = time_graph(g, [&] {
+            const double layer = time_graph(g.stream, [&] {
                 gemv(g, NORM_STORE, 1, h, norm, layers[0].qkv, qkv, QKV, HIDDEN);
                 for (int l = 0; l < LAYERS; l++) {
                     launch(g, (const void*)standin_attention, dim3(8), dim3(256), 0, standin_args);
@@ -498,7 +450,7 @@ void mlp_section(Gpu& g, std::vector<Layer>& layers, bf16* h, float* norm) {
                     gemv(g, NORM_STORE, 1, h, norm, layers[(l + 1) % LAYERS].qkv, qkv, QKV, HIDDEN);
                 }
             }) / LAYERS;
-            const double mlp = time_graph(g, [&] {
+            const double mlp = time_graph(g.stream, [&] {
                 for (int l = 0; l < LAYERS; l++) {
                     if (fused) {
                         mlp_launch(g, h, norm, layers[l].gu, layers[l].down, acc);
@@ -595,7 +547,7 @@ void l2_section(Gpu& g, std::vector<Layer>& layers, bf16* h, float* norm) {
             count = (int)it.size();
             CK(cudaMemcpy(items_dev, it.data(), it.size() * sizeof(PrefetchItem), cudaMemcpyHostToDevice));
         }
-        return time_graph(g, [&] {
+        return time_graph(g.stream, [&] {
                    CK(cudaMemsetAsync(progress, 0, 4, g.stream));
                    if (prefetch_kind >= 0) {
                        CK(cudaEventRecord(fork, g.stream));
