@@ -1,5 +1,5 @@
 // Micro-benchmark, not part of the runtime: the decode layers of a batch-1 step run by ONE thread-block cluster
-// (8 or 16 multiprocessors) as one persistent kernel, against the runtime's chain of separate bulk GEMV kernels
+// (4, 8 or 16 multiprocessors) as one persistent kernel, against the runtime's chain of separate bulk GEMV kernels
 // (kernels/gemv_bulk.cu, launched with programmatic dependent launch as the runtime does).
 //
 // Why: at batch 1 the runtime's layer is five dependent kernels, and each boundary costs a few microseconds of
@@ -19,6 +19,11 @@
 // projections and layers, so the next projection's weights are in flight while the cluster meets at a barrier.
 // After a projection each block publishes its output rows in its own shared memory; after the cluster barrier
 // every block gathers the whole vector from its peers' shared memory (double-buffered, so one barrier a step).
+//
+// Result (H200, 2026-12-07, benchmarks/RESULTS.md): far slower. The chain took 11.6 µs a SmolLM2 layer and 17.6 µs a
+// Qwen3 layer; the best cluster (16 blocks, 32 KB stages) took 64.9 and 136.4 µs, and 45.3 and 90.8 µs with the
+// products left out, so neither the weight stream of 16 multiprocessors (0.16-0.35 TB/s here) nor the barrier and
+// peer gathers come near a chain of kernels over the whole GPU. Kept as the record of that measurement.
 //
 // Built and run on the GPU machine:
 //

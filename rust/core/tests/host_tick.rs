@@ -4,9 +4,10 @@
 //! decode step's time is all the stepper's host time (descriptors, the ForwardBatch, RowContexts, accepting
 //! tokens with incremental detokenization and stop matching, prefix publishing, the commit). A
 //! second measurement times what the CUDA runner does on the host before a graph replay: `BatchPlan::new`
-//! and `MetaLayout::pack` for a 64-row decode batch with realistic block tables.
+//! and `MetaLayout::pack` for a 64-row decode batch with realistic block tables. A third runs the GPU benchmark's
+//! mixed workload through the engine (`mixed_workload_host_time`), so all of its wall time is host time.
 //!
-//! The timing test is ignored (CI machines are noisy); reproduce the numbers with
+//! The timing tests are ignored (CI machines are noisy); reproduce the numbers with
 //!
 //! ```text
 //! cargo test --release -p stepllm-core --test host_tick -- --ignored --nocapture
@@ -28,8 +29,10 @@ use std::time::Instant;
 
 use stepllm_core::backend::cuda::backend::MetaLayout;
 use stepllm_core::backend::{BatchPlan, KvCacheDtype};
+use stepllm_core::coordinator::{Config, RuntimeCoordinator};
+use stepllm_core::engine::{EngineEvent, RequestEngine};
 use stepllm_core::model::loader::gguf::GgufModel;
-use stepllm_core::model::{ForwardBatch, ModelConfig, ModelRunner, SeqSlice};
+use stepllm_core::model::{ForwardBatch, LoadedModel, ModelConfig, ModelRunner, SeqSlice};
 use stepllm_core::request::{GenerationRequest, Prompt, SamplingParams};
 use stepllm_core::sampling::{RowContext, Sampled};
 use stepllm_core::state::context_cache::{CommitPolicy, ContextCacheConfig};
@@ -352,5 +355,75 @@ fn decode_ticks_allocate_per_tick_not_per_token() {
             per_row < 0.5,
             "{commit:?}: {per_row:.2} allocations per row and tick ({small:.1} per tick at batch 8, {large:.1} at 64)"
         );
+    }
+}
+
+/// The GPU benchmark's mixed workload (`benchmarks/gpu_decode.py --mixed`): 256 (prompt, max_tokens) pairs, both
+/// lengths uniform in [100, 1024], prompts cut from the script (a fixed xorshift stream, not the benchmark's).
+fn mixed_workload(script: &[u32]) -> Vec<(Vec<u32>, usize)> {
+    let mut seed = 0x2545_f491_4f6c_dd1du64;
+    let mut uniform = |lo: usize, hi: usize| {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        lo + (seed % (hi - lo + 1) as u64) as usize
+    };
+    (0..256)
+        .map(|i| {
+            let (p, o) = (uniform(100, 1024), uniform(100, 1024));
+            ((0..p).map(|j| script[(i * 31 + j * 7) % script.len()]).collect(), o)
+        })
+        .collect()
+}
+
+/// An engine over the null runner, sized as the benchmark sizes its GPU run: every request seated at once.
+fn null_engine(tok: &Arc<Tokenizer>, script: &Arc<Vec<u32>>, work: &[(Vec<u32>, usize)]) -> RequestEngine {
+    let mut model_config = ModelConfig::from_hf_json(&std::fs::read_to_string(common::fixture_dir("llama").join("config.json")).unwrap()).unwrap();
+    model_config.vocab_size = tok.vocab_size();
+    model_config.eos_token_ids = vec![EOS];
+    model_config.max_position_embeddings = 4096;
+    let runner = NullRunner { config: model_config.clone(), script: Arc::clone(script) };
+    let loaded = LoadedModel { config: model_config, runner: Box::new(runner), tokenizer: Arc::clone(tok), chat_template: None, source: "null".into() };
+    let mut config = Config::new("null");
+    config.device = "cpu".into();
+    config.max_batch_size = Some(work.len());
+    config.kv_cache_tokens = Some(work.iter().map(|(p, o)| (p.len() + o).div_ceil(BLOCK_SIZE) * BLOCK_SIZE + BLOCK_SIZE).sum());
+    config.max_model_len = Some(4096);
+    RequestEngine::new(RuntimeCoordinator::from_loaded(loaded, &config).unwrap()).unwrap()
+}
+
+/// The mixed workload through the engine with the null runner: the wall time is all host time (the engine's and
+/// the stepper's), which a GPU run pays on top of its kernels wherever the device waits for the host.
+#[test]
+#[ignore = "timing; run with --ignored --nocapture to print the mixed workload's host time"]
+fn mixed_workload_host_time() {
+    let (tok, which) = tokenizer();
+    let tok = Arc::new(tok);
+    let script = Arc::new(script_ids(&tok));
+    let work = mixed_workload(&script);
+    let generated: usize = work.iter().map(|w| w.1).sum();
+    println!("\nthe mixed workload through the engine, null runner, tokenizer {which}: {generated} tokens to generate");
+    for round in 0..3 {
+        let mut engine = null_engine(&tok, &script, &work);
+        let t = Instant::now();
+        let handles: Vec<_> = work
+            .iter()
+            .map(|(p, o)| {
+                let mut sampling = SamplingParams::greedy(*o);
+                sampling.ignore_eos = true;
+                engine.submit(GenerationRequest::new(Prompt::TokenIds(p.clone()), sampling)).unwrap()
+            })
+            .collect();
+        let mut tokens = 0;
+        for h in handles {
+            if let Some(EngineEvent::Finished(r)) = h.events.iter().find(|e| matches!(e, EngineEvent::Finished(_))) {
+                tokens += r.output_ids.len();
+            }
+        }
+        let dt = t.elapsed().as_secs_f64();
+        let steps = engine.stats().steps;
+        engine.shutdown();
+        assert_eq!(tokens, generated, "every request runs to its max_tokens");
+        println!("round {round}: {dt:.3} s of host time, {steps} steps, {:.1} us a step", dt * 1e6 / steps as f64);
     }
 }
