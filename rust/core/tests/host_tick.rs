@@ -24,6 +24,7 @@
 
 mod common;
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -84,6 +85,9 @@ const SCRIPT: &str = "The quick brown fox jumps over the lazy dog. In the beginn
 struct NullRunner {
     config: ModelConfig,
     script: Arc<Vec<u32>>,
+    /// When set, the first forward waits until it is true: the engine's first step then lasts until every request
+    /// is submitted, as a GPU's does, so the later steps see the whole queue.
+    gate: Option<Arc<AtomicBool>>,
 }
 
 impl ModelRunner for NullRunner {
@@ -97,6 +101,11 @@ impl ModelRunner for NullRunner {
         Ok(vec![0.0; batch.logits_for.len() * self.config.vocab_size])
     }
     fn forward_and_sample(&mut self, _batch: &ForwardBatch, rows: &[RowContext]) -> stepllm_core::error::Result<Vec<Sampled>> {
+        if let Some(gate) = self.gate.take() {
+            while !gate.load(Ordering::Acquire) {
+                std::thread::yield_now();
+            }
+        }
         let script = &self.script;
         Ok(rows.iter().map(|r| Sampled { token_id: script[r.position as usize % script.len()], logprob: None }).collect())
     }
@@ -160,7 +169,7 @@ fn stepper(tok: &Arc<Tokenizer>, script: &Arc<Vec<u32>>, s: &Setup) -> RuntimeSt
         kv_cache_dtype: KvCacheDtype::Auto,
         max_prefill_tokens: usize::MAX,
     };
-    let runner = NullRunner { config, script: Arc::clone(script) };
+    let runner = NullRunner { config, script: Arc::clone(script), gate: None };
     RuntimeStepper::new(Box::new(runner), Arc::clone(tok), vec![EOS], cfg).unwrap()
 }
 
@@ -377,12 +386,12 @@ fn mixed_workload(script: &[u32]) -> Vec<(Vec<u32>, usize)> {
 }
 
 /// An engine over the null runner, sized as the benchmark sizes its GPU run: every request seated at once.
-fn null_engine(tok: &Arc<Tokenizer>, script: &Arc<Vec<u32>>, work: &[(Vec<u32>, usize)]) -> RequestEngine {
+fn null_engine(tok: &Arc<Tokenizer>, script: &Arc<Vec<u32>>, work: &[(Vec<u32>, usize)], gate: &Arc<AtomicBool>) -> RequestEngine {
     let mut model_config = ModelConfig::from_hf_json(&std::fs::read_to_string(common::fixture_dir("llama").join("config.json")).unwrap()).unwrap();
     model_config.vocab_size = tok.vocab_size();
     model_config.eos_token_ids = vec![EOS];
     model_config.max_position_embeddings = 4096;
-    let runner = NullRunner { config: model_config.clone(), script: Arc::clone(script) };
+    let runner = NullRunner { config: model_config.clone(), script: Arc::clone(script), gate: Some(Arc::clone(gate)) };
     let loaded = LoadedModel { config: model_config, runner: Box::new(runner), tokenizer: Arc::clone(tok), chat_template: None, source: "null".into() };
     let mut config = Config::new("null");
     config.device = "cpu".into();
@@ -393,7 +402,8 @@ fn null_engine(tok: &Arc<Tokenizer>, script: &Arc<Vec<u32>>, work: &[(Vec<u32>, 
 }
 
 /// The mixed workload through the engine with the null runner: the wall time is all host time (the engine's and
-/// the stepper's), which a GPU run pays on top of its kernels wherever the device waits for the host.
+/// the stepper's), which a GPU run pays on top of its kernels wherever the device waits for the host. The clock
+/// starts when the first step (one request's prefill) is let go, with every request submitted.
 #[test]
 #[ignore = "timing; run with --ignored --nocapture to print the mixed workload's host time"]
 fn mixed_workload_host_time() {
@@ -404,8 +414,8 @@ fn mixed_workload_host_time() {
     let generated: usize = work.iter().map(|w| w.1).sum();
     println!("\nthe mixed workload through the engine, null runner, tokenizer {which}: {generated} tokens to generate");
     for round in 0..3 {
-        let mut engine = null_engine(&tok, &script, &work);
-        let t = Instant::now();
+        let gate = Arc::new(AtomicBool::new(false));
+        let mut engine = null_engine(&tok, &script, &work, &gate);
         let handles: Vec<_> = work
             .iter()
             .map(|(p, o)| {
@@ -414,6 +424,8 @@ fn mixed_workload_host_time() {
                 engine.submit(GenerationRequest::new(Prompt::TokenIds(p.clone()), sampling)).unwrap()
             })
             .collect();
+        let t = Instant::now();
+        gate.store(true, Ordering::Release);
         let mut tokens = 0;
         for h in handles {
             if let Some(EngineEvent::Finished(r)) = h.events.iter().find(|e| matches!(e, EngineEvent::Finished(_))) {
