@@ -141,6 +141,21 @@ fn fixture_tokenizer_and_script() -> (Arc<Tokenizer>, Arc<Vec<u32>>) {
     (tok, script)
 }
 
+/// The timing tests' tokenizer (`tokenizer`), its script ids and which tokenizer it is.
+fn timing_tokenizer_and_script() -> (Arc<Tokenizer>, Arc<Vec<u32>>, &'static str) {
+    let (tok, which) = tokenizer();
+    let tok = Arc::new(tok);
+    let script = Arc::new(script_ids(&tok));
+    (tok, script, which)
+}
+
+/// The llama fixture's model config with `tok`'s vocabulary: what the null runner answers for.
+fn null_model_config(tok: &Tokenizer) -> ModelConfig {
+    let mut config = ModelConfig::from_hf_json(&std::fs::read_to_string(common::fixture_dir("llama").join("config.json")).unwrap()).unwrap();
+    config.vocab_size = tok.vocab_size();
+    config
+}
+
 /// The script's ids, without the EOS id, so no sequence ends early.
 fn script_ids(tok: &Tokenizer) -> Vec<u32> {
     let ids: Vec<u32> = tok.encode(&SCRIPT.repeat(3), false).unwrap().into_iter().filter(|&t| t != EOS).collect();
@@ -157,8 +172,7 @@ struct Setup {
 }
 
 fn stepper(tok: &Arc<Tokenizer>, script: &Arc<Vec<u32>>, s: &Setup) -> RuntimeStepper {
-    let mut config = ModelConfig::from_hf_json(&std::fs::read_to_string(common::fixture_dir("llama").join("config.json")).unwrap()).unwrap();
-    config.vocab_size = tok.vocab_size();
+    let config = null_model_config(tok);
     let per_seq = (s.prompt_len + s.ticks + 2).div_ceil(BLOCK_SIZE);
     let cfg = StepperConfig {
         max_batch_size: s.batch,
@@ -268,9 +282,7 @@ fn time_plan_and_pack() -> (f64, f64) {
 #[test]
 #[ignore = "timing; run with --ignored --nocapture to print per-tick host time"]
 fn decode_tick_host_time() {
-    let (tok, which) = tokenizer();
-    let tok = Arc::new(tok);
-    let script = Arc::new(script_ids(&tok));
+    let (tok, script, which) = timing_tokenizer_and_script();
     println!("\nhost time per decode tick, null runner, tokenizer {which}, block size {BLOCK_SIZE}");
     println!("{:>5} {:>6} {:>6} {:>10} {:>6} | {:>9} {:>9} {:>8} {:>8}", "batch", "prompt", "ticks", "commit", "stops", "host us", "call us", "p50", "p99");
     let stop_list = vec!["</answer>".to_string(), "\n\nUser:".to_string()];
@@ -387,8 +399,7 @@ fn mixed_workload(script: &[u32]) -> Vec<(Vec<u32>, usize)> {
 
 /// An engine over the null runner, sized as the benchmark sizes its GPU run: every request seated at once.
 fn null_engine(tok: &Arc<Tokenizer>, script: &Arc<Vec<u32>>, work: &[(Vec<u32>, usize)], gate: &Arc<AtomicBool>) -> RequestEngine {
-    let mut model_config = ModelConfig::from_hf_json(&std::fs::read_to_string(common::fixture_dir("llama").join("config.json")).unwrap()).unwrap();
-    model_config.vocab_size = tok.vocab_size();
+    let mut model_config = null_model_config(tok);
     model_config.eos_token_ids = vec![EOS];
     model_config.max_position_embeddings = 4096;
     let runner = NullRunner { config: model_config.clone(), script: Arc::clone(script), gate: Some(Arc::clone(gate)) };
@@ -407,9 +418,7 @@ fn null_engine(tok: &Arc<Tokenizer>, script: &Arc<Vec<u32>>, work: &[(Vec<u32>, 
 #[test]
 #[ignore = "timing; run with --ignored --nocapture to print the mixed workload's host time"]
 fn mixed_workload_host_time() {
-    let (tok, which) = tokenizer();
-    let tok = Arc::new(tok);
-    let script = Arc::new(script_ids(&tok));
+    let (tok, script, which) = timing_tokenizer_and_script();
     let work = mixed_workload(&script);
     let generated: usize = work.iter().map(|w| w.1).sum();
     println!("\nthe mixed workload through the engine, null runner, tokenizer {which}: {generated} tokens to generate");
