@@ -159,6 +159,19 @@ __device__ __forceinline__ float block_max(float v, float* scratch) {
     return warp_max(lane < warps ? scratch[lane] : -INFINITY);
 }
 
+__device__ __forceinline__ unsigned long long block_max_u64(unsigned long long v, unsigned long long* scratch) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = max(v, __shfl_xor_sync(0xffffffffu, v, o));
+    __syncthreads();  // the previous use of scratch is finished
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    unsigned long long t = lane < warps ? scratch[lane] : 0ull;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) t = max(t, __shfl_xor_sync(0xffffffffu, t, o));
+    return t;
+}
+
 __device__ __forceinline__ u32 block_sum_u32(u32 v, u32* scratch) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
 #pragma unroll

@@ -21,19 +21,6 @@ __device__ __forceinline__ unsigned long long rank_key(float v, u32 id) {
     return ((unsigned long long)ordered << 32) | (0xffffffffu - id);
 }
 
-__device__ __forceinline__ unsigned long long block_max_u64(unsigned long long v, unsigned long long* scratch) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v = max(v, __shfl_xor_sync(0xffffffffu, v, o));
-    __syncthreads();  // the previous use of scratch is finished
-    if (lane == 0) scratch[warp] = v;
-    __syncthreads();
-    unsigned long long t = lane < warps ? scratch[lane] : 0ull;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) t = max(t, __shfl_xor_sync(0xffffffffu, t, o));
-    return t;
-}
-
 // The best key of the row below `below` (0 when there is none).
 __device__ unsigned long long best_key_below(const bf16* row, int V, unsigned long long below, unsigned long long* scratch) {
     unsigned long long best = 0ull;

@@ -127,8 +127,9 @@ pub trait ModelRunner: Send {
         Ok(crate::sampling::sample_rows(logits, self.config().vocab_size, rows))
     }
     /// [`forward_and_sample`](Self::forward_and_sample) for a batch whose `logits_for` lists the sampled rows
-    /// first and then one row per entry of `scores` (prompt tokens whose logprobs are wanted). Scoring needs
-    /// every such row's logits on the host; without scores this is `forward_and_sample`.
+    /// first and then one row per entry of `scores` (prompt tokens whose logprobs are wanted). This default scores
+    /// them on the host from the whole logits (the CUDA runner scores them on the device, where its logits stay);
+    /// without scores this is `forward_and_sample`.
     fn forward_sample_and_score(
         &mut self,
         batch: &ForwardBatch,
