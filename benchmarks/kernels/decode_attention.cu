@@ -1,0 +1,154 @@
+// The runtime's tensor-core decode attention (kernels/attention.cuh paged_attention_mma, with RoPE, q/k norm and
+// the newest K/V written, as in a decode step) on its own, over a paged cache of the Qwen3-0.6B shape (8 KV heads,
+// 2 query heads each, head_dim 128, blocks of 16 positions), to see how close each launch comes to the device's
+// bandwidth without the rest of a step around it, and to try changes to the kernel in seconds (edit kernels/ on
+// the device, rebuild this file) instead of a wheel build and a whole workload.
+//
+// Why: the mixed workload's decode steps are 60% this kernel, which reads the cache at about 70% of the H200's
+// data-sheet bandwidth (benchmarks/RESULTS.md). Each case below times one launch as a decode step makes it (grid:
+// rows × KV heads × the host's split count, backend.rs attention_splits) and reports the K/V bytes it must read
+// per microsecond.
+//
+//   nvcc -arch=sm_90 -DSTEPLLM_PDL -O3 -std=c++17 -I kernels -o /tmp/decode_attention \
+//       benchmarks/kernels/decode_attention.cu && /tmp/decode_attention [fp8|bf16]
+//
+// Written on 2026-12-07 with no GPU at hand: it compiles for sm_90 (its two kernels take the runtime's registers,
+// 161 with fp8 and 233 with bf16) but has not run yet.
+#include "attention.cuh"
+#include "bench_harness.cuh"
+
+#include <algorithm>
+#include <cstring>
+#include <random>
+#include <vector>
+
+constexpr int D = 128, G = 2, KV_HEADS = 8, BLOCK = 16;
+
+ROTATING_ATTENTION_KERNEL(bench_attention_fp8, fp8, (MmaDecode<D, G, fp8>::MIN_BLOCKS), (paged_attention_mma<D, G, fp8>))
+ROTATING_ATTENTION_KERNEL(bench_attention_bf16, bf16, (MmaDecode<D, G, bf16>::MIN_BLOCKS),
+                          (paged_attention_mma<D, G, bf16>))
+
+// Cache bytes that are finite values of either type (the kernel's speed does not depend on them, but NaNs would
+// hide a broken run): the low 7 bits of every byte below 0x38.
+__global__ void fill_cache(unsigned char* p, size_t n, u32 seed) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+        u32 h = (u32)i * 2654435761u ^ seed;
+        h ^= h >> 13, h *= 0x5bd1e995u, h ^= h >> 15;
+        p[i] = (unsigned char)((h % 0x38) | (h & 0x80));
+    }
+}
+
+struct Case {
+    const char* name;
+    std::vector<int> contexts;  // one decode row each
+};
+
+// The host's split count (backend.rs attention_splits): from one (row, KV head) item per multiprocessor up, one.
+static int host_splits(int rows, int max_context, int sms) {
+    const int wanted = 2 * sms / std::max(rows * KV_HEADS, 1);
+    return std::max(1, std::min({wanted, MAX_SPLITS, (max_context + 15) / 16}));
+}
+
+template <typename KV>
+static void run_case(const Case& c, void (*kernel)(const bf16*, int, const u32*, const u32*, const u32*, const u32*,
+                                                   KV*, KV*, int, int, float, bf16*, float*, u32*, const float*,
+                                                   const float*, float, float, const float*, const u32*),
+                     int sms) {
+    const int rows = (int)c.contexts.size();
+    // Every row's blocks, shuffled over the cache as paging leaves them.
+    std::vector<u32> tables, seq_info, positions(rows), token_seq(rows), slots(rows);
+    int blocks = 0;
+    for (int ctx : c.contexts) blocks += (ctx + BLOCK - 1) / BLOCK;
+    std::vector<u32> order(blocks);
+    for (int i = 0; i < blocks; i++) order[i] = i;
+    std::shuffle(order.begin(), order.end(), std::mt19937(7));
+    size_t kv_bytes = 0;
+    for (int r = 0, next = 0; r < rows; r++) {
+        const int ctx = c.contexts[r], n = (ctx + BLOCK - 1) / BLOCK;
+        const u32 start = (u32)tables.size();
+        for (int b = 0; b < n; b++) tables.push_back(order[next++]);
+        seq_info.insert(seq_info.end(), {(u32)r, 1u, (u32)(ctx - 1), start, (u32)n});
+        positions[r] = ctx - 1, token_seq[r] = r;
+        slots[r] = tables[start + (ctx - 1) / BLOCK] * BLOCK + (ctx - 1) % BLOCK;
+        kv_bytes += (size_t)ctx * KV_HEADS * D * sizeof(KV) * 2;
+    }
+    const int width = (KV_HEADS * G + 2 * KV_HEADS) * D;
+    const size_t cache_elems = (size_t)blocks * KV_HEADS * BLOCK * D;
+    const int max_ctx = *std::max_element(c.contexts.begin(), c.contexts.end());
+    const int splits = host_splits(rows, max_ctx, sms);
+
+    auto upload = [](const std::vector<u32>& v) {
+        u32* p;
+        CK(cudaMalloc(&p, std::max<size_t>(v.size(), 1) * 4));
+        CK(cudaMemcpy(p, v.data(), v.size() * 4, cudaMemcpyHostToDevice));
+        return p;
+    };
+    u32 *d_pos = upload(positions), *d_seq = upload(token_seq), *d_info = upload(seq_info), *d_tab = upload(tables),
+        *d_slots = upload(slots), *d_counters;
+    KV *k_cache, *v_cache;
+    bf16 *qkv, *out;
+    float *partial, *norm;
+    CK(cudaMalloc(&k_cache, cache_elems * sizeof(KV)));
+    CK(cudaMalloc(&v_cache, cache_elems * sizeof(KV)));
+    CK(cudaMalloc(&qkv, (size_t)rows * width * sizeof(bf16)));
+    CK(cudaMalloc(&out, (size_t)rows * KV_HEADS * G * D * sizeof(bf16)));
+    CK(cudaMalloc(&partial, (size_t)rows * KV_HEADS * G * MAX_SPLITS * (D + 2) * sizeof(float)));
+    CK(cudaMalloc(&d_counters, (size_t)rows * KV_HEADS * 4));
+    CK(cudaMalloc(&norm, D * sizeof(float)));
+    CK(cudaMemset(d_counters, 0, (size_t)rows * KV_HEADS * 4));
+    fill_cache<<<1024, 256>>>(reinterpret_cast<unsigned char*>(k_cache), cache_elems * sizeof(KV), 1);
+    fill_cache<<<1024, 256>>>(reinterpret_cast<unsigned char*>(v_cache), cache_elems * sizeof(KV), 2);
+    fill_random<<<256, 256>>>(qkv, (size_t)rows * width, 3, 2.0f);
+    fill_ones<<<1, 128>>>(norm, D);
+    CK(cudaDeviceSynchronize());
+
+    cudaStream_t stream;
+    CK(cudaStreamCreate(&stream));
+    const dim3 grid(rows, KV_HEADS, splits);
+    const float scale = 1.0f / sqrtf((float)D);
+    constexpr int LAUNCHES = 20;  // per graph replay, back to back as a step's layers are (without the rest)
+    const double us = time_graph(stream, [&] {
+        for (int i = 0; i < LAUNCHES; i++)
+            kernel<<<grid, ATTN_THREADS, 0, stream>>>(qkv, width, d_pos, d_seq, d_info, d_tab, k_cache, v_cache,
+                                                      BLOCK, KV_HEADS, scale, out, partial, d_counters, norm, norm,
+                                                      1e-6f, 1e6f, nullptr, d_slots);
+    }, 20) / LAUNCHES;
+    CK(cudaGetLastError());
+    printf("%-34s rows %4d  splits %2d  K/V %8.2f MB  %8.2f us  %6.3f TB/s\n", c.name, rows, splits, kv_bytes / 1e6,
+           us, kv_bytes / us / 1e6);
+    for (void* p : std::initializer_list<void*>{d_pos, d_seq, d_info, d_tab, d_slots, d_counters, k_cache, v_cache,
+                                                qkv, out, partial, norm})
+        CK(cudaFree(p));
+    CK(cudaStreamDestroy(stream));
+}
+
+int main(int argc, char** argv) {
+    const bool fp8_cache = argc < 2 || strcmp(argv[1], "bf16") != 0;
+    int sms;
+    CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+    cudaDeviceProp prop;
+    CK(cudaGetDeviceProperties(&prop, 0));
+    printf("%s, %d SMs, %s cache\n", prop.name, sms, fp8_cache ? "fp8" : "bf16");
+
+    std::mt19937 rng(1);
+    // The mixed workload early and late: contexts of a prompt in [100, 1024] plus up to 1,024 generated tokens.
+    auto uniform = [&](int rows, int lo, int hi) {
+        std::vector<int> v(rows);
+        for (int& x : v) x = std::uniform_int_distribution<int>(lo, hi)(rng);
+        return v;
+    };
+    const std::vector<Case> cases = {
+        {"mixed-like, 256 rows of 100-2048", uniform(256, 100, 2048)},
+        {"mixed-like, 128 rows of 600-2048", uniform(128, 600, 2048)},
+        {"mixed tail, 40 rows of 1000-2048", uniform(40, 1000, 2048)},
+        {"256 rows of 1024", std::vector<int>(256, 1024)},
+        {"64 rows of 2048", std::vector<int>(64, 2048)},
+        {"8 rows of 4096", std::vector<int>(8, 4096)},
+        {"1 row of 128 (batch 1)", std::vector<int>(1, 128)},
+    };
+    for (const Case& c : cases) {
+        if (fp8_cache) run_case<fp8>(c, bench_attention_fp8, sms);
+        else run_case<bf16>(c, bench_attention_bf16, sms);
+    }
+    return 0;
+}
