@@ -114,8 +114,14 @@ static void run_case(const Case& c, void (*kernel)(const bf16*, int, const u32*,
                                                       1e-6f, 1e6f, nullptr, d_slots);
     }, 20) / LAUNCHES;
     CK(cudaGetLastError());
-    printf("%-34s rows %4d  splits %2d  K/V %8.2f MB  %8.2f us  %6.3f TB/s\n", c.name, rows, splits, kv_bytes / 1e6,
-           us, kv_bytes / us / 1e6);
+    // A fingerprint of the output's bits: a change to the kernel that keeps its arithmetic (the order of its
+    // sub-steps, its registers, its schedule) must leave it as it was.
+    std::vector<unsigned short> host_out((size_t)rows * KV_HEADS * G * D);
+    CK(cudaMemcpy(host_out.data(), out, host_out.size() * 2, cudaMemcpyDeviceToHost));
+    unsigned long long print = 1469598103934665603ull;
+    for (unsigned short x : host_out) print = (print ^ x) * 1099511628211ull;
+    printf("%-34s rows %4d  splits %2d  K/V %8.2f MB  %8.2f us  %6.3f TB/s  output %016llx\n", c.name, rows, splits,
+           kv_bytes / 1e6, us, kv_bytes / us / 1e6, print);
     for (void* p : std::initializer_list<void*>{d_pos, d_seq, d_info, d_tab, d_slots, d_counters, k_cache, v_cache,
                                                 qkv, out, partial, norm})
         CK(cudaFree(p));
