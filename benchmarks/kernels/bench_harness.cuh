@@ -15,13 +15,17 @@
         }                                                                                \
     } while (0)
 
+// A reproducible pseudo-random word for element i of a fill.
+__device__ __forceinline__ u32 bench_hash(size_t i, u32 seed) {
+    u32 h = (u32)i * 2654435761u ^ seed;
+    h ^= h >> 13, h *= 0x5bd1e995u, h ^= h >> 15;
+    return h;
+}
+
 // Reproducible values uniform in [-scale / 2, scale / 2).
 __global__ void fill_random(bf16* p, size_t n, u32 seed, float scale) {
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
-        u32 h = (u32)i * 2654435761u ^ seed;
-        h ^= h >> 13, h *= 0x5bd1e995u, h ^= h >> 15;
-        p[i] = __float2bfloat16(((h & 0xffff) / 65536.0f - 0.5f) * scale);
-    }
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
+        p[i] = __float2bfloat16(((bench_hash(i, seed) & 0xffff) / 65536.0f - 0.5f) * scale);
 }
 
 __global__ void fill_ones(float* p, int n) {

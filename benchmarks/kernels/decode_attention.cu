@@ -32,8 +32,7 @@ ROTATING_ATTENTION_KERNEL(bench_attention_bf16, bf16, (MmaDecode<D, G, bf16>::MI
 // hide a broken run): the low 7 bits of every byte below 0x38.
 __global__ void fill_cache(unsigned char* p, size_t n, u32 seed) {
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
-        u32 h = (u32)i * 2654435761u ^ seed;
-        h ^= h >> 13, h *= 0x5bd1e995u, h ^= h >> 15;
+        const u32 h = bench_hash(i, seed);
         p[i] = (unsigned char)((h % 0x38) | (h & 0x80));
     }
 }
