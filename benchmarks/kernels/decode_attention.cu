@@ -10,15 +10,19 @@
 // per microsecond.
 //
 //   nvcc -arch=sm_90 -DSTEPLLM_PDL -O3 -std=c++17 -I kernels -o /tmp/decode_attention \
-//       benchmarks/kernels/decode_attention.cu && /tmp/decode_attention [fp8|bf16]
+//       benchmarks/kernels/decode_attention.cu && /tmp/decode_attention [fp8|bf16] [--sweep] [reference prefix]
 //
-// Written on 2026-12-07 with no GPU at hand: it compiles for sm_90 (its two kernels take the runtime's registers,
-// 161 with fp8 and 233 with bf16) but has not run yet.
+// Each case prints a fingerprint of its output bits: a change that keeps the kernel's arithmetic must keep it. A
+// change that reorders the arithmetic (benchmarks/kernels/qk_chains.patch) is checked against a reference prefix
+// instead: the first run writes its outputs there, later runs print their largest difference from them.
 #include "attention.cuh"
 #include "bench_harness.cuh"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
+#include <functional>
+#include <string>
 #include <random>
 #include <vector>
 
@@ -38,7 +42,7 @@ __global__ void fill_cache(unsigned char* p, size_t n, u32 seed) {
 }
 
 struct Case {
-    const char* name;
+    std::string name;
     std::vector<int> contexts;  // one decode row each
 };
 
@@ -48,11 +52,43 @@ static int host_splits(int rows, int max_context, int sms) {
     return std::max(1, std::min({wanted, MAX_SPLITS, (max_context + 15) / 16}));
 }
 
+// With a reference prefix: the first run of a case writes its output to `<prefix>.<case>`, later runs (a changed
+// kernel whose arithmetic differs, so its fingerprint does too) report how far they are from it.
+static std::string against_reference(const std::vector<unsigned short>& out, const char* prefix, int case_index) {
+    if (!prefix) return "";
+    const std::string path = std::string(prefix) + "." + std::to_string(case_index);
+    std::vector<unsigned short> ref(out.size());
+    FILE* f = fopen(path.c_str(), "rb");
+    if (!f) {
+        f = fopen(path.c_str(), "wb");
+        if (!f || fwrite(out.data(), 2, out.size(), f) != out.size()) return "  (reference not written)";
+        fclose(f);
+        return "  (reference written)";
+    }
+    const size_t got = fread(ref.data(), 2, ref.size(), f);
+    fclose(f);
+    if (got != ref.size()) return "  (reference of another size)";
+    auto value = [](unsigned short bits) {
+        const u32 word = (u32)bits << 16;
+        float f;
+        memcpy(&f, &word, 4);
+        return f;
+    };
+    float diff = 0.0f, peak = 0.0f;
+    for (size_t i = 0; i < out.size(); i++) {
+        diff = std::max(diff, std::fabs(value(out[i]) - value(ref[i])));
+        peak = std::max(peak, std::fabs(value(ref[i])));
+    }
+    char text[96];
+    snprintf(text, sizeof text, "  max |diff| %.3g of max |ref| %.3g", diff, peak);
+    return text;
+}
+
 template <typename KV>
 static void run_case(const Case& c, void (*kernel)(const bf16*, int, const u32*, const u32*, const u32*, const u32*,
                                                    KV*, KV*, int, int, float, bf16*, float*, u32*, const float*,
                                                    const float*, float, float, const float*, const u32*),
-                     int sms) {
+                     int sms, const char* reference, int case_index) {
     const int rows = (int)c.contexts.size();
     // Every row's blocks, shuffled over the cache as paging leaves them.
     std::vector<u32> tables, seq_info, positions(rows), token_seq(rows), slots(rows);
@@ -119,31 +155,31 @@ static void run_case(const Case& c, void (*kernel)(const bf16*, int, const u32*,
     CK(cudaMemcpy(host_out.data(), out, host_out.size() * 2, cudaMemcpyDeviceToHost));
     unsigned long long print = 1469598103934665603ull;
     for (unsigned short x : host_out) print = (print ^ x) * 1099511628211ull;
-    printf("%-34s rows %4d  splits %2d  K/V %8.2f MB  %8.2f us  %6.3f TB/s  output %016llx\n", c.name, rows, splits,
-           kv_bytes / 1e6, us, kv_bytes / us / 1e6, print);
+    printf("%-34s rows %4d  splits %2d  K/V %8.2f MB  %8.2f us  %6.3f TB/s  output %016llx%s\n", c.name.c_str(), rows, splits,
+           kv_bytes / 1e6, us, kv_bytes / us / 1e6, print, against_reference(host_out, reference, case_index).c_str());
     for (void* p : std::initializer_list<void*>{d_pos, d_seq, d_info, d_tab, d_slots, d_counters, k_cache, v_cache,
                                                 qkv, out, partial, norm})
         CK(cudaFree(p));
     CK(cudaStreamDestroy(stream));
 }
 
-int main(int argc, char** argv) {
-    const bool fp8_cache = argc < 2 || strcmp(argv[1], "bf16") != 0;
-    int sms;
-    CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
-    cudaDeviceProp prop;
-    CK(cudaGetDeviceProperties(&prop, 0));
-    printf("%s, %d SMs, %s cache\n", prop.name, sms, fp8_cache ? "fp8" : "bf16");
-
+// The default cases: the mixed workload early and late (contexts of a prompt in [100, 1024] plus up to 1,024
+// generated tokens; the runtime hands its rows to the kernel longest context first), fixed contexts, batch 1.
+static std::vector<Case> workload_cases() {
     std::mt19937 rng(1);
-    // The mixed workload early and late: contexts of a prompt in [100, 1024] plus up to 1,024 generated tokens.
     auto uniform = [&](int rows, int lo, int hi) {
         std::vector<int> v(rows);
         for (int& x : v) x = std::uniform_int_distribution<int>(lo, hi)(rng);
         return v;
     };
-    const std::vector<Case> cases = {
-        {"mixed-like, 256 rows of 100-2048", uniform(256, 100, 2048)},
+    auto longest_first = [](std::vector<int> v) {
+        std::sort(v.begin(), v.end(), std::greater<int>());
+        return v;
+    };
+    const std::vector<int> early = uniform(256, 100, 2048);
+    return {
+        {"mixed-like, 256 rows of 100-2048", early},
+        {"the same, longest first", longest_first(early)},
         {"mixed-like, 128 rows of 600-2048", uniform(128, 600, 2048)},
         {"mixed tail, 40 rows of 1000-2048", uniform(40, 1000, 2048)},
         {"256 rows of 1024", std::vector<int>(256, 1024)},
@@ -151,9 +187,36 @@ int main(int argc, char** argv) {
         {"8 rows of 4096", std::vector<int>(8, 4096)},
         {"1 row of 128 (batch 1)", std::vector<int>(1, 128)},
     };
-    for (const Case& c : cases) {
-        if (fp8_cache) run_case<fp8>(c, bench_attention_fp8, sms);
-        else run_case<bf16>(c, bench_attention_bf16, sms);
+}
+
+// `--sweep`: rows of 1,024 positions on either side of whole waves of blocks (the kernel's resident blocks times
+// the multiprocessors), to see what a launch loses to its last, partly filled wave.
+static std::vector<Case> wave_cases(int slots) {
+    std::vector<Case> cases;
+    const int rows_per_wave = slots / KV_HEADS;
+    for (int waves = 1; waves <= 5; waves++)
+        for (int rows : {waves * rows_per_wave, waves * rows_per_wave + 1}) {
+            cases.push_back({std::to_string(rows) + " rows of 1024 (" + std::to_string(rows * KV_HEADS) + " blocks)",
+                             std::vector<int>(rows, 1024)});
+        }
+    return cases;
+}
+
+//   decode_attention [fp8|bf16] [--sweep] [reference prefix]
+int main(int argc, char** argv) {
+    const bool fp8_cache = argc < 2 || strcmp(argv[1], "bf16") != 0;
+    const bool sweep = argc > 2 && strcmp(argv[2], "--sweep") == 0;
+    const char* reference = argc > 2 && !sweep ? argv[2] : nullptr;
+    int sms;
+    CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+    cudaDeviceProp prop;
+    CK(cudaGetDeviceProperties(&prop, 0));
+    const int resident = fp8_cache ? MmaDecode<D, G, fp8>::MIN_BLOCKS : MmaDecode<D, G, bf16>::MIN_BLOCKS;
+    printf("%s, %d SMs, %s cache, %d blocks a multiprocessor\n", prop.name, sms, fp8_cache ? "fp8" : "bf16", resident);
+    const std::vector<Case> cases = sweep ? wave_cases(resident * sms) : workload_cases();
+    for (size_t i = 0; i < cases.size(); i++) {
+        if (fp8_cache) run_case<fp8>(cases[i], bench_attention_fp8, sms, reference, (int)i);
+        else run_case<bf16>(cases[i], bench_attention_bf16, sms, reference, (int)i);
     }
     return 0;
 }
