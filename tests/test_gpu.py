@@ -400,12 +400,15 @@ def test_gpu_sampling_options(models_dir: Path) -> None:
 # ---------------------------------------------------------------------------------------- the stepped API on the GPU
 
 def assert_logprobs_agree_until_near_tie(got: list, want: list, what: object) -> None:
-    """Greedy tokens (with logprobs=2) agree until the reference's first near-tie (a log-probability gap under
-    0.25), and every agreed token's log-probability is within the bf16 tolerance."""
+    """Greedy tokens (with logprobs=2) agree until the reference's first near-tie (a log-probability gap of at most
+    0.25), and every agreed token's log-probability is within the bf16 tolerance. Gaps move in steps of the logits'
+    bf16 ulp (0.125 for top logits in [16, 32), as the random qwen3 checkpoint has), and each run's logits may sit
+    an ulp from the other's, so a gap of two ulps can flip: reordering the decode attention's sums flipped one of
+    exactly 0.25 (benchmarks/RESULTS.md, 2026-12-07)."""
     for i, (g, w) in enumerate(zip(got, want)):
         if g.token_id != w.token_id:
             (_, best), (_, second) = w.top[:2]
-            assert best - second < 0.25, (what, f"diverged at {i} with a log-probability gap of {best - second:.3f}")
+            assert best - second <= 0.25, (what, f"diverged at {i} with a log-probability gap of {best - second:.3f}")
             return
         assert abs(g.logprob - w.logprob) < 0.25 + 0.03 * abs(w.logprob), (what, i, g, w)
 
@@ -534,7 +537,7 @@ def test_chunked_prefill_on_gpu(models_dir: Path) -> None:
     """With max_prefill_tokens=64 a prompt of 300 tokens is computed in five chunks, the later ones attending to
     the cached earlier ones (the prefill attention over a cached prefix) and the first four asking no logits; two
     more join in chunks while it decodes (mixed steps). Each request's greedy ids agree with its prompt computed
-    whole until that run's first near-tie (log-probability gap < 0.25), every agreed token's log-probability
+    whole until that run's first near-tie (log-probability gap <= 0.25), every agreed token's log-probability
     within the bf16 tolerance, and the decode steps after the chunks replay graphs."""
     path = gpu_models.make("qwen3", models_dir)
     prompts = [[(11 * i + 5 * k) % 997 + 2 for i in range(n)] for k, n in enumerate((300, 129, 40))]
