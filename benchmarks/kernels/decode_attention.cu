@@ -22,13 +22,14 @@
 #include <cmath>
 #include <cstring>
 #include <functional>
-#include <string>
 #include <random>
+#include <string>
 #include <vector>
 
 constexpr int D = 128, G = 2, KV_HEADS = 8, BLOCK = 16;
 
-ROTATING_ATTENTION_KERNEL(bench_attention_fp8, fp8, (MmaDecode<D, G, fp8>::MIN_BLOCKS), (paged_attention_mma<D, G, fp8>))
+ROTATING_ATTENTION_KERNEL(bench_attention_fp8, fp8, (MmaDecode<D, G, fp8>::MIN_BLOCKS),
+                          (paged_attention_mma<D, G, fp8>))
 ROTATING_ATTENTION_KERNEL(bench_attention_bf16, bf16, (MmaDecode<D, G, bf16>::MIN_BLOCKS),
                           (paged_attention_mma<D, G, bf16>))
 
@@ -54,30 +55,24 @@ static int host_splits(int rows, int max_context, int sms) {
 
 // With a reference prefix: the first run of a case writes its output to `<prefix>.<case>`, later runs (a changed
 // kernel whose arithmetic differs, so its fingerprint does too) report how far they are from it.
-static std::string against_reference(const std::vector<unsigned short>& out, const char* prefix, int case_index) {
+static std::string against_reference(const std::vector<bf16>& out, const char* prefix, int case_index) {
     if (!prefix) return "";
     const std::string path = std::string(prefix) + "." + std::to_string(case_index);
-    std::vector<unsigned short> ref(out.size());
+    std::vector<bf16> ref(out.size());
     FILE* f = fopen(path.c_str(), "rb");
     if (!f) {
         f = fopen(path.c_str(), "wb");
-        if (!f || fwrite(out.data(), 2, out.size(), f) != out.size()) return "  (reference not written)";
+        if (!f || fwrite(out.data(), sizeof(bf16), out.size(), f) != out.size()) return "  (reference not written)";
         fclose(f);
         return "  (reference written)";
     }
-    const size_t got = fread(ref.data(), 2, ref.size(), f);
+    const size_t got = fread(ref.data(), sizeof(bf16), ref.size(), f);
     fclose(f);
     if (got != ref.size()) return "  (reference of another size)";
-    auto value = [](unsigned short bits) {
-        const u32 word = (u32)bits << 16;
-        float f;
-        memcpy(&f, &word, 4);
-        return f;
-    };
     float diff = 0.0f, peak = 0.0f;
     for (size_t i = 0; i < out.size(); i++) {
-        diff = std::max(diff, std::fabs(value(out[i]) - value(ref[i])));
-        peak = std::max(peak, std::fabs(value(ref[i])));
+        diff = std::max(diff, std::fabs(__bfloat162float(out[i]) - __bfloat162float(ref[i])));
+        peak = std::max(peak, std::fabs(__bfloat162float(ref[i])));
     }
     char text[96];
     snprintf(text, sizeof text, "  max |diff| %.3g of max |ref| %.3g", diff, peak);
@@ -151,12 +146,13 @@ static void run_case(const Case& c, void (*kernel)(const bf16*, int, const u32*,
     CK(cudaGetLastError());
     // A fingerprint of the output's bits: a change to the kernel that keeps its arithmetic (the order of its
     // sub-steps, its registers, its schedule) must leave it as it was.
-    std::vector<unsigned short> host_out((size_t)rows * KV_HEADS * G * D);
-    CK(cudaMemcpy(host_out.data(), out, host_out.size() * 2, cudaMemcpyDeviceToHost));
+    std::vector<bf16> host_out((size_t)rows * KV_HEADS * G * D);
+    CK(cudaMemcpy(host_out.data(), out, host_out.size() * sizeof(bf16), cudaMemcpyDeviceToHost));
     unsigned long long print = 1469598103934665603ull;
-    for (unsigned short x : host_out) print = (print ^ x) * 1099511628211ull;
-    printf("%-34s rows %4d  splits %2d  K/V %8.2f MB  %8.2f us  %6.3f TB/s  output %016llx%s\n", c.name.c_str(), rows, splits,
-           kv_bytes / 1e6, us, kv_bytes / us / 1e6, print, against_reference(host_out, reference, case_index).c_str());
+    for (bf16 x : host_out) print = (print ^ __bfloat16_as_ushort(x)) * 1099511628211ull;
+    printf("%-34s rows %4d  splits %2d  K/V %8.2f MB  %8.2f us  %6.3f TB/s  output %016llx%s\n", c.name.c_str(), rows,
+           splits, kv_bytes / 1e6, us, kv_bytes / us / 1e6, print,
+           against_reference(host_out, reference, case_index).c_str());
     for (void* p : std::initializer_list<void*>{d_pos, d_seq, d_info, d_tab, d_slots, d_counters, k_cache, v_cache,
                                                 qkv, out, partial, norm})
         CK(cudaFree(p));
@@ -195,10 +191,9 @@ static std::vector<Case> wave_cases(int slots) {
     std::vector<Case> cases;
     const int rows_per_wave = slots / KV_HEADS;
     for (int waves = 1; waves <= 5; waves++)
-        for (int rows : {waves * rows_per_wave, waves * rows_per_wave + 1}) {
+        for (int rows : {waves * rows_per_wave, waves * rows_per_wave + 1})
             cases.push_back({std::to_string(rows) + " rows of 1024 (" + std::to_string(rows * KV_HEADS) + " blocks)",
                              std::vector<int>(rows, 1024)});
-        }
     return cases;
 }
 
