@@ -91,7 +91,7 @@ struct MmaDecode {
             const bool live = !CHECKED || (base + i < end && base + i != skip);
 #pragma unroll
             for (int c = 0; c < KL; c++)
-                r.k[h][c] = live ? __ldcg(reinterpret_cast<const uint4*>(kb + k_offset(h, c))) : make_uint4(0, 0, 0, 0);
+                r.k[h][c] = live ? kv_stream_load(reinterpret_cast<const uint4*>(kb + k_offset(h, c))) : make_uint4(0, 0, 0, 0);
         }
 #pragma unroll
         for (int j = 0; j < 4; j++) {
@@ -100,12 +100,12 @@ struct MmaDecode {
             if constexpr (VW >= 4) {
 #pragma unroll
                 for (int w = 0; w < VW; w += 4) {
-                    const uint4 x = live ? __ldcg(reinterpret_cast<const uint4*>(vb + v_offset(j, w)))
+                    const uint4 x = live ? kv_stream_load(reinterpret_cast<const uint4*>(vb + v_offset(j, w)))
                                          : make_uint4(0, 0, 0, 0);
                     r.v[j][w] = x.x, r.v[j][w + 1] = x.y, r.v[j][w + 2] = x.z, r.v[j][w + 3] = x.w;
                 }
             } else {
-                const uint2 x = live ? __ldcg(reinterpret_cast<const uint2*>(vb + v_offset(j, 0))) : make_uint2(0, 0);
+                const uint2 x = live ? kv_stream_load(reinterpret_cast<const uint2*>(vb + v_offset(j, 0))) : make_uint2(0, 0);
                 r.v[j][0] = x.x, r.v[j][1] = x.y;
             }
         }

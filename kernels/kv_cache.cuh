@@ -9,6 +9,24 @@
 
 typedef __nv_fp8_storage_t fp8;  // one e4m3 byte
 
+// A decode step's read of past K/V, which no block of the launch writes (a block writes only its own row's newest
+// position, which it never loads): through the non-coherent path, allocating nothing in L1, with L2 asked to
+// fetch whole 128-byte lines. Against __ldcg, __ldg or either hint alone, the tensor-core decode attention read
+// 2% faster on mixed rows and up to 10% on long split rows (benchmarks/kernels/decode_attention.cu, H100,
+// benchmarks/RESULTS.md 2026-12-07).
+__device__ __forceinline__ uint4 kv_stream_load(const uint4* p) {
+    uint4 v;
+    asm("ld.global.nc.L1::no_allocate.L2::128B.v4.u32 {%0, %1, %2, %3}, [%4];"
+        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+        : "l"(p));
+    return v;
+}
+__device__ __forceinline__ uint2 kv_stream_load(const uint2* p) {
+    uint2 v;
+    asm("ld.global.nc.L1::no_allocate.L2::128B.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
+    return v;
+}
+
 // The 8 values of one vector as floats (exact for both: every bf16 and e4m3 value is an f32).
 __device__ __forceinline__ void kv_unpack8(const uint4& raw, float out[8]) { unpack8(raw, out); }
 __device__ __forceinline__ void kv_unpack8(const uint2& raw, float out[8]) {

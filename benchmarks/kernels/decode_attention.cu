@@ -12,6 +12,8 @@
 //   nvcc -arch=sm_90 -DSTEPLLM_PDL -O3 -std=c++17 -I kernels -o /tmp/decode_attention \
 //       benchmarks/kernels/decode_attention.cu && /tmp/decode_attention [fp8|bf16] [--sweep] [reference prefix]
 //
+// STEPLLM_BENCH_BLOCKS=N pads each block's shared memory so that at most N blocks share a multiprocessor.
+//
 // Each case prints a fingerprint of its output bits: a change that keeps the kernel's arithmetic must keep it. A
 // change that reorders the arithmetic (benchmarks/kernels/qk_chains.patch) is checked against a reference prefix
 // instead: the first run writes its outputs there, later runs print their largest difference from them.
@@ -51,6 +53,30 @@ struct Case {
 static int host_splits(int rows, int max_context, int sms) {
     const int wanted = 2 * sms / std::max(rows * KV_HEADS, 1);
     return std::max(1, std::min({wanted, MAX_SPLITS, (max_context + 15) / 16}));
+}
+
+// Unused dynamic shared memory that leaves room for only STEPLLM_BENCH_BLOCKS blocks a multiprocessor (0 when
+// unset): to compare kernels at the same occupancy when one of them uses fewer registers.
+template <typename Kernel>
+static int padding_smem(Kernel kernel) {
+    const char* env = getenv("STEPLLM_BENCH_BLOCKS");
+    if (!env) return 0;
+    const int wanted = atoi(env);
+    CK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 200 << 10));
+    for (int bytes = 0; bytes <= 200 << 10; bytes += 1024) {
+        int n = 0;
+        CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, ATTN_THREADS, bytes));
+        if (n <= wanted) return bytes;
+    }
+    return 200 << 10;
+}
+
+// Blocks of `kernel` a multiprocessor holds in this run.
+template <typename Kernel>
+static int resident_blocks(Kernel kernel) {
+    int n = 0;
+    CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, ATTN_THREADS, padding_smem(kernel)));
+    return n;
 }
 
 // With a reference prefix: the first run of a case writes its output to `<prefix>.<case>`, later runs (a changed
@@ -134,12 +160,13 @@ static void run_case(const Case& c, void (*kernel)(const bf16*, int, const u32*,
 
     cudaStream_t stream;
     CK(cudaStreamCreate(&stream));
+    const int smem = padding_smem(kernel);
     const dim3 grid(rows, KV_HEADS, splits);
     const float scale = 1.0f / sqrtf((float)D);
     constexpr int LAUNCHES = 20;  // per graph replay, back to back as a step's layers are (without the rest)
     const double us = time_graph(stream, [&] {
         for (int i = 0; i < LAUNCHES; i++)
-            kernel<<<grid, ATTN_THREADS, 0, stream>>>(qkv, width, d_pos, d_seq, d_info, d_tab, k_cache, v_cache,
+            kernel<<<grid, ATTN_THREADS, smem, stream>>>(qkv, width, d_pos, d_seq, d_info, d_tab, k_cache, v_cache,
                                                       BLOCK, KV_HEADS, scale, out, partial, d_counters, norm, norm,
                                                       1e-6f, 1e6f, nullptr, d_slots);
     }, 20) / LAUNCHES;
@@ -206,7 +233,7 @@ int main(int argc, char** argv) {
     CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
     cudaDeviceProp prop;
     CK(cudaGetDeviceProperties(&prop, 0));
-    const int resident = fp8_cache ? MmaDecode<D, G, fp8>::MIN_BLOCKS : MmaDecode<D, G, bf16>::MIN_BLOCKS;
+    const int resident = fp8_cache ? resident_blocks(bench_attention_fp8) : resident_blocks(bench_attention_bf16);
     printf("%s, %d SMs, %s cache, %d blocks a multiprocessor\n", prop.name, sms, fp8_cache ? "fp8" : "bf16", resident);
     const std::vector<Case> cases = sweep ? wave_cases(resident * sms) : workload_cases();
     for (size_t i = 0; i < cases.size(); i++) {
