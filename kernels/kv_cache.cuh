@@ -13,7 +13,8 @@ typedef __nv_fp8_storage_t fp8;  // one e4m3 byte
 // position, which it never loads): through the non-coherent path, allocating nothing in L1, with L2 asked to
 // fetch whole 128-byte lines. Against __ldcg, __ldg or either hint alone, the tensor-core decode attention read
 // 2% faster on mixed rows and up to 10% on long split rows (benchmarks/kernels/decode_attention.cu, H100,
-// benchmarks/RESULTS.md 2026-12-07).
+// benchmarks/RESULTS.md 2026-12-07). The asm declares no memory effects, so the compiler may move it as it moves
+// __ldg: fine for data that stays constant while the kernel runs.
 __device__ __forceinline__ uint4 kv_stream_load(const uint4* p) {
     uint4 v;
     asm("ld.global.nc.L1::no_allocate.L2::128B.v4.u32 {%0, %1, %2, %3}, [%4];"
