@@ -4,26 +4,20 @@
 //
 //   nvcc -arch=sm_90 -O3 -std=c++17 -I kernels -o /tmp/rb benchmarks/kernels/read_bandwidth.cu && /tmp/rb
 //
-// Two access patterns over a buffer far larger than L2:
+// Every read is the decode attention's K/V load (kv_stream_load). Two access patterns over a buffer far larger
+// than L2:
 // - stream: every thread reads U 16-byte words a round, the grid striding over the buffer (a memcpy's reads);
 // - chunks: each warp reads whole chunks of C bytes taken in a random order (a paged KV cache's blocks: an fp8
 //   block of 16 positions of one KV head at head_dim 128 is 2 KB), U chunks in flight a warp.
 // Each is swept over blocks per multiprocessor and U, so the table shows where more bytes in flight stop helping.
 #include "bench_harness.cuh"
+#include "kv_cache.cuh"  // kv_stream_load: the decode attention's own K/V load
 
 #include <algorithm>
 #include <random>
 #include <vector>
 
 constexpr int THREADS = 256;
-
-__device__ __forceinline__ uint4 load_streaming(const uint4* p) {
-    uint4 v;
-    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                 : "l"(p));
-    return v;
-}
 
 // The XOR of everything read, stored only if it equals a value it never takes, so no load is optimized away.
 __device__ __forceinline__ void keep(u32 acc, u32* sink) {
@@ -37,7 +31,7 @@ __global__ void __launch_bounds__(THREADS, 1) stream_read(const uint4* __restric
     for (size_t base = blockIdx.x * (size_t)THREADS + threadIdx.x; base + (U - 1) * stride < words; base += U * stride) {
         uint4 v[U];
 #pragma unroll
-        for (int u = 0; u < U; u++) v[u] = load_streaming(buf + base + u * stride);
+        for (int u = 0; u < U; u++) v[u] = kv_stream_load(buf + base + u * stride);
 #pragma unroll
         for (int u = 0; u < U; u++) acc ^= v[u].x ^ v[u].y ^ v[u].z ^ v[u].w;
     }
@@ -63,7 +57,7 @@ __global__ void __launch_bounds__(THREADS, 1) chunk_read(const uint4* __restrict
 #pragma unroll
             for (int u = 0; u < U; u++)
 #pragma unroll
-                for (int k = 0; k < 4; k++) v[u][k] = load_streaming(c[u] + 32 * (j + k));
+                for (int k = 0; k < 4; k++) v[u][k] = kv_stream_load(c[u] + 32 * (j + k));
 #pragma unroll
             for (int u = 0; u < U; u++)
 #pragma unroll
