@@ -214,21 +214,25 @@ __device__ __forceinline__ void merge_and_store(const float (*s_acc)[G][D], cons
     if (threadIdx.x == 0) counters[t * num_kv_heads + g] = 0;
 }
 
-// What the rotation reads that no kernel writes during a forward: the per-head norm weights and token t's cache
-// slot (batch metadata, common.cuh), into shared memory. Called before the PDL wait, so these round trips
-// overlap the previous kernel instead of following q's; its barrier publishes them.
+// What the rotation needs that no kernel writes during a forward: the per-head norm weights, token t's cache
+// slot (batch metadata, common.cuh) and the rotation's (cos, sin) at its position, into shared memory. Called
+// before the PDL wait, so these round trips and the angles' powf and sincosf overlap the previous kernel instead
+// of following q's; its barrier publishes them.
 template <int D>
 struct RopeConstants {
     float norm[2][D];  // q's, k's (when the model has them)
+    float2 cs[(D + 1) / 2];  // pair i's rope_angle
     u32 slot;
 };
 
 template <int D>
-__device__ __forceinline__ void stage_rope_constants(const RopeArgs& rope, int t, RopeConstants<D>& c) {
+__device__ __forceinline__ void stage_rope_constants(const RopeArgs& rope, int t, int ctx, RopeConstants<D>& c) {
     if (rope.q_norm) {
         for (int i = threadIdx.x; i < 2 * D; i += ATTN_THREADS)
             c.norm[i / D][i % D] = (i < D ? rope.q_norm : rope.k_norm)[i % D];
     }
+    for (int i = threadIdx.x; i < D / 2; i += ATTN_THREADS)
+        c.cs[i] = rope_angle(i, (float)(ctx - 1), rope.theta, D, rope.inv_freq);
     if (threadIdx.x == 0) c.slot = rope.slots[t];
     __syncthreads();
 }
@@ -239,7 +243,7 @@ __device__ __forceinline__ void stage_rope_constants(const RopeArgs& rope, int t
 // come from `consts` (stage_rope_constants). Every thread calls it; the caller's barrier publishes s_q and s_new.
 template <int D, int G, typename KV, bool V_FIRST>
 __device__ __forceinline__ void rotate_newest(const bf16* __restrict__ qkv, int width, int t, int g, int num_kv_heads,
-                                              int ctx, bool holds_newest, const RopeArgs& rope,
+                                              bool holds_newest, const RopeArgs& rope,
                                               const RopeConstants<D>& consts, KV* k_cache, KV* v_cache, int block_size,
                                               float q_factor, float (*s_q)[D], KV (*s_new)[D]) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -259,8 +263,7 @@ __device__ __forceinline__ void rotate_newest(const bf16* __restrict__ qkv, int 
     const auto newest_k = [&] { return qkv + (size_t)t * width + (size_t)(num_kv_heads * G + g) * D; };
     const auto newest_at = [&] { return cache_offset(consts.slot, g, num_kv_heads, block_size, D); };
     if (V_WARP >= G && holds_newest && warp == V_WARP) copy_v(newest_k(), newest_at());
-    const float pos = (float)(ctx - 1);
-    const auto angle = [&](int i) { return rope_angle(i, pos, rope.theta, D, rope.inv_freq); };
+    const auto angle = [&](int i) { return consts.cs[i]; };
     for (int h = warp; h < G; h += ATTN_WARPS) {
         rope_head(qrow + h * D, rope.q_norm ? consts.norm[0] : nullptr, rope.eps, D, lane, angle,
                   [&](int i, bf16 v) { s_q[h][i] = __bfloat162float(v) * q_factor; });
@@ -354,14 +357,14 @@ __device__ void paged_attention(const bf16* __restrict__ qkv, int width, const u
     Vec kr[U], vr[U];
     if constexpr (ROPE) load_step(begin, ctx - 1, kr, vr);
     __shared__ RopeConstants<ROPE ? D : 1> s_consts;
-    if constexpr (ROPE) stage_rope_constants<D>(rope, t, s_consts);
+    if constexpr (ROPE) stage_rope_constants<D>(rope, t, ctx, s_consts);
     kernel_begin();
 
     const bf16* qrow = qkv + (size_t)t * width + (size_t)g * G * D;
     float q[Q_SHARED ? 1 : G][VALS];
     if constexpr (ROPE) {
         // V last: this variant is at its register cap (168 for G <= 2), and copying V first spills there.
-        rotate_newest<D, G, KV, false>(qkv, width, t, g, num_kv_heads, ctx, end == ctx, rope, s_consts, k_cache,
+        rotate_newest<D, G, KV, false>(qkv, width, t, g, num_kv_heads, end == ctx, rope, s_consts, k_cache,
                                        v_cache, block_size, qscale, s_q, s_new);
         // The barrier before the main loop publishes s_q and the new K/V to the whole block.
     } else if constexpr (Q_SHARED) {
@@ -545,6 +548,7 @@ __device__ void paged_attention_mma(const bf16* __restrict__ qkv, int width, con
     __shared__ __align__(16) KV s_new[2][D];
 
     const int t = blockIdx.x, g = blockIdx.y, split = blockIdx.z, max_splits = gridDim.z;
+    TIMELINE(TL_START);
     SplitRange range;
     if (!split_range(positions, token_seq, seq_info, block_tables, t, split, max_splits, range)) return;
     // As in the ROPE variant: the first sub-steps' past K and V are loaded before the wait, all but the newest
@@ -555,19 +559,23 @@ __device__ void paged_attention_mma(const bf16* __restrict__ qkv, int width, con
     mma.load(buf[0], 0, newest);
     mma.load(buf[1], 1, newest);
     __shared__ RopeConstants<D> s_consts;
-    stage_rope_constants<D>(rope, t, s_consts);
+    stage_rope_constants<D>(rope, t, range.ctx, s_consts);
     kernel_begin();
+    TIMELINE(TL_WAITED);
 
-    rotate_newest<D, G, KV, true>(qkv, width, t, g, num_kv_heads, range.ctx, range.end == range.ctx, rope, s_consts,
+    rotate_newest<D, G, KV, true>(qkv, width, t, g, num_kv_heads, range.end == range.ctx, rope, s_consts,
                                   k_cache, v_cache, block_size, 1.0f, s_q, s_new);
     __syncthreads();
+    TIMELINE(TL_INPUT);
     mma.patch(buf[0], 0, s_new[0], s_new[1], newest);
     mma.patch(buf[1], 1, s_new[0], s_new[1], newest);
     mma.run(buf, s_q, scale * LOG2_E);
     mma.publish(s_acc[threadIdx.x >> 5], s_ml[threadIdx.x >> 5]);
     __syncthreads();
+    TIMELINE(TL_READY);
     merge_and_store<D, G>(s_acc, s_ml, s_split_ml, t, g, num_kv_heads, split, max_splits, range.nsplits, out, partial,
                           counters);
+    TIMELINE(TL_END);
 }
 
 // A decode kernel that rotates q and k itself: its name, launch bound (resident blocks per SM) and the device

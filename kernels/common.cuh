@@ -10,7 +10,8 @@ typedef unsigned int u32;
 // may start while the previous one is still running. `pdl_wait` blocks until that kernel has finished and its
 // writes are visible, so every kernel calls it, unconditionally, before it touches anything another kernel writes
 // or reads. `pdl_launch_dependents` lets the next kernel start its prologue; kernels call it right after the
-// wait, except the register GEMV (kernels/gemv.cu), which calls it first (measured faster there). Either way
+// wait, except the register GEMV (kernels/gemv.cu) and the bulk GEMVs that add into the residual
+// (kernels/gemv_bulk.cu), which call it first (measured faster there). Either way
 // kernels run in order: a kernel's wait returns only once its predecessor is complete, and that one's wait had
 // returned before. Two things may be read before the wait: constant weights, and the batch metadata (tokens,
 // positions, slots, block tables). The metadata is copied in by a plain (not programmatic) dependency before the
@@ -22,6 +23,16 @@ __device__ __forceinline__ void pdl_launch_dependents() { asm volatile("griddepc
 #else
 __device__ __forceinline__ void pdl_wait() {}
 __device__ __forceinline__ void pdl_launch_dependents() {}
+#endif
+
+// Marks on a block's way through a decode kernel, for benchmarks/kernels/layer_timeline.cu, which defines
+// STEPLLM_TIMELINE and timeline_mark (thread 0 stamps the global timer). Elsewhere they compile to nothing.
+enum TimelinePoint { TL_START, TL_WAITED, TL_INPUT, TL_READY, TL_END, TL_POINTS };
+#ifdef STEPLLM_TIMELINE
+__device__ void timeline_mark(int point);
+#define TIMELINE(point) timeline_mark(point)
+#else
+#define TIMELINE(point) ((void)0)
 #endif
 
 // The start of every kernel that reads nothing before the previous kernel is done.

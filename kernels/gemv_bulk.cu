@@ -51,6 +51,12 @@ __device__ void gemv_bulk(const bf16* __restrict__ x, const float* __restrict__ 
     const int first = (int)((long long)blockIdx.x * cols / gridDim.x);
     const int last = (int)((long long)(blockIdx.x + 1) * cols / gridDim.x);
     const int n_stages = (last - first + stage_rows - 1) / stage_rows;
+    TIMELINE(TL_START);
+    // The projections that add into the residual (O, down) let the next one (gate/up, the next layer's QKV: a
+    // step's largest weights) start before they wait. Released after the wait, those start streaming only about
+    // 1.5 µs before this kernel ends at batch 1 (benchmarks/kernels/layer_timeline.cu); released here, a step at
+    // batch 1 measured 1.3-2.1% faster (benchmarks/RESULTS.md).
+    if (OUT == OUT_ADD) pdl_launch_dependents();
 
     // Stage s holds columns [first + s * stage_rows, ...): their rows, and for OUT_SILU the up rows after them.
     auto issue = [&](int s) {
@@ -66,7 +72,8 @@ __device__ void gemv_bulk(const bf16* __restrict__ x, const float* __restrict__ 
         for (int i = threadIdx.x; i < K / 4; i += blockDim.x)
             reinterpret_cast<float4*>(norm_s)[i] = __ldg(reinterpret_cast<const float4*>(norm_w) + i);
     }
-    kernel_begin();
+    kernel_begin();  // for OUT_ADD its release repeats the one above, which changes nothing
+    TIMELINE(TL_WAITED);
     // OUT_ADD: thread i < M * span fetches old output (i / span, first + i % span) while the input rows load.
     const int span = last - first;
     const bool stages_old = OUT == OUT_ADD && span <= BULK_OLD_COLS;
@@ -77,6 +84,7 @@ __device__ void gemv_bulk(const bf16* __restrict__ x, const float* __restrict__ 
     stage_input<M, IN>(x, IN == IN_NORM ? norm_s : norm_w, eps, K, xs, inv);
     if (stages_old && oi < M * span) s_old[oi / span][oi % span] = old_raw;
     if (OUT == OUT_ADD) __syncthreads();
+    TIMELINE(TL_INPUT);
     const auto old = [&](int m, int col) {
         return stages_old ? __bfloat162float(s_old[m][col - first]) : OldFromL2{y, cols}(m, col);
     };
@@ -86,6 +94,7 @@ __device__ void gemv_bulk(const bf16* __restrict__ x, const float* __restrict__ 
         const int c0 = first + s * stage_rows, n = min(stage_rows, last - c0);
         const uint4* stage = reinterpret_cast<const uint4*>(ring + (size_t)(s % stages) * stage_bytes);
         mbar_wait(&full[s % stages], (s / stages) & 1);
+        if (s == 0) TIMELINE(TL_READY);
         stage_product<M, OUT>(stage, stage_rows, n, xv, chunks, bias, y, cols, c0, old);
         __syncthreads();  // every warp is done with this stage
         if (threadIdx.x == 0 && s + stages < n_stages) {
@@ -93,6 +102,7 @@ __device__ void gemv_bulk(const bf16* __restrict__ x, const float* __restrict__ 
             issue(s + stages);
         }
     }
+    TIMELINE(TL_END);
 #endif
 }
 
