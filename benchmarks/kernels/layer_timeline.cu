@@ -12,6 +12,9 @@
 //   nvcc -arch=sm_90 -DSTEPLLM_PDL -DSTEPLLM_TIMELINE -O3 -std=c++17 -I kernels -o /tmp/layer_timeline \
 //       benchmarks/kernels/layer_timeline.cu && /tmp/layer_timeline [context]
 //
+// STEPLLM_BENCH_FIT_RING=1 gives each GEMV no more ring stages than its block's rows fill (the runtime's ring is
+// 96 KB whatever the block needs), so that more blocks fit beside it.
+//
 // Blocks take a ticket at their first mark. A kernel's blocks all start before the next kernel's (the next one is
 // launched only once every block of this one has passed its wait), so tickets in order of launch, each launch's
 // grid in turn, say which launch a record belongs to.
