@@ -1,10 +1,14 @@
-// What the layer-chain micro-benchmarks here share (gemv_chain.cu, cluster_layer.cu): error checks, random
-// weights, the stand-in for the attention between a layer's QKV and O, and timing a recorded CUDA graph.
+// What the micro-benchmarks here share (gemv_chain.cu, cluster_layer.cu, decode_attention.cu, layer_timeline.cu,
+// read_bandwidth.cu): error checks, random weights, the stand-in for the attention between a layer's QKV and O,
+// launches as the runtime makes them (programmatic dependent launch, the bulk GEMV's ring, the decode attention's
+// splits), output fingerprints, and timing a recorded CUDA graph.
 #pragma once
 #include "common.cuh"
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <vector>
 
 #define CK(call)                                                                         \
     do {                                                                                 \
@@ -60,4 +64,49 @@ double time_graph(cudaStream_t stream, Record record, int reps = 200) {
     CK(cudaGraphExecDestroy(exec));
     CK(cudaGraphDestroy(graph));
     return ms * 1e3 / reps;
+}
+
+// A launch as the runtime makes it: with programmatic dependent launch unless `pdl` is false.
+inline void launch_pdl(cudaStream_t stream, const void* f, dim3 grid, dim3 block, size_t smem, void** args,
+                       bool pdl = true) {
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = grid, cfg.blockDim = block, cfg.dynamicSmemBytes = smem, cfg.stream = stream;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = attr, cfg.numAttrs = pdl ? 1 : 0;
+    CK(cudaLaunchKernelExC(&cfg, f, args));
+}
+
+// A bulk GEMV's ring as gemv.rs bulk_stages picks it: whole weight rows (`row_bytes` each, both rows of a
+// SiLU column) a stage, a multiple of the block's 8 warps when that many fit in `stage_bytes`, and as many stages
+// as `ring_bytes` holds within [2, max_stages]. `fit_cols` > 0 (an experiment, not the runtime's choice): no
+// more rows or stages than a block's fit_cols columns fill.
+struct BulkRing {
+    int stage_rows, stages;
+};
+inline BulkRing bulk_ring(int row_bytes, int max_stages, int stage_bytes = 48 << 10, int ring_bytes = 96 << 10,
+                          int fit_cols = 0) {
+    int rows = stage_bytes / row_bytes;
+    rows = rows >= 8 ? rows - rows % 8 : std::max(rows, 1);
+    int stages = std::min(std::max(ring_bytes / (rows * row_bytes), 2), max_stages);
+    if (fit_cols > 0) {
+        rows = std::min(rows, fit_cols);
+        stages = std::min(stages, (fit_cols + rows - 1) / rows);
+    }
+    return {rows, stages};
+}
+
+// The decode attention's key splits for `rows` decode rows (backend.rs attention_splits): enough for about two
+// blocks a multiprocessor, at most max_splits, and none shorter than 16 positions.
+inline int decode_attention_splits(int rows, int kv_heads, int max_context, int sms, int max_splits) {
+    const int wanted = 2 * sms / std::max(rows * kv_heads, 1);
+    return std::max(1, std::min({wanted, max_splits, (max_context + 15) / 16}));
+}
+
+// A fingerprint (FNV-1a) of bf16 output bits: a change that keeps a kernel's arithmetic must keep it.
+inline unsigned long long fingerprint(const std::vector<bf16>& out) {
+    unsigned long long print = 1469598103934665603ull;
+    for (bf16 x : out) print = (print ^ __bfloat16_as_ushort(x)) * 1099511628211ull;
+    return print;
 }

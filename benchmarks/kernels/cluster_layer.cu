@@ -248,11 +248,8 @@ typedef void (*BulkFn)(const bf16*, const float*, float, const bf16*, const floa
 // The runtime's bulk GEMV launch (gemv.rs bulk_stages: 48 KB stages, a 96 KB ring, one block per multiprocessor).
 void bulk(BulkFn f, bool silu, const bf16* x, const float* norm, const bf16* w, bf16* y, int n, int k) {
     const int r = silu ? 2 : 1;
-    int stage_rows = 49152 / (r * k * 2);
-    if (stage_rows >= 8) stage_rows -= stage_rows % 8;
-    if (stage_rows < 1) stage_rows = 1;
-    int stages = 98304 / (r * stage_rows * k * 2);
-    stages = stages < 2 ? 2 : stages > BULK_MAX_STAGES ? BULK_MAX_STAGES : stages;
+    const BulkRing ring = bulk_ring(r * k * 2, BULK_MAX_STAGES);
+    int stage_rows = ring.stage_rows, stages = ring.stages;
     const size_t smem = (size_t)k * 2 + (norm ? (size_t)k * 4 : 0) + (size_t)stages * r * stage_rows * k * 2;
     CK(cudaFuncSetAttribute((const void*)f, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
     float eps = 1e-6f;

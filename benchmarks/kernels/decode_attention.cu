@@ -49,12 +49,6 @@ struct Case {
     std::vector<int> contexts;  // one decode row each
 };
 
-// The host's split count (backend.rs attention_splits): from one (row, KV head) item per multiprocessor up, one.
-static int host_splits(int rows, int max_context, int sms) {
-    const int wanted = 2 * sms / std::max(rows * KV_HEADS, 1);
-    return std::max(1, std::min({wanted, MAX_SPLITS, (max_context + 15) / 16}));
-}
-
 // Unused dynamic shared memory that leaves room for only STEPLLM_BENCH_BLOCKS blocks a multiprocessor (0 when
 // unset): to compare kernels at the same occupancy when one of them uses fewer registers.
 template <typename Kernel>
@@ -131,7 +125,7 @@ static void run_case(const Case& c, void (*kernel)(const bf16*, int, const u32*,
     const int width = (KV_HEADS * G + 2 * KV_HEADS) * D;
     const size_t cache_elems = (size_t)blocks * KV_HEADS * BLOCK * D;
     const int max_ctx = *std::max_element(c.contexts.begin(), c.contexts.end());
-    const int splits = host_splits(rows, max_ctx, sms);
+    const int splits = decode_attention_splits(rows, KV_HEADS, max_ctx, sms, MAX_SPLITS);
 
     auto upload = [](const std::vector<u32>& v) {
         u32* p;
@@ -175,10 +169,8 @@ static void run_case(const Case& c, void (*kernel)(const bf16*, int, const u32*,
     // sub-steps, its registers, its schedule) must leave it as it was.
     std::vector<bf16> host_out((size_t)rows * KV_HEADS * G * D);
     CK(cudaMemcpy(host_out.data(), out, host_out.size() * sizeof(bf16), cudaMemcpyDeviceToHost));
-    unsigned long long print = 1469598103934665603ull;
-    for (bf16 x : host_out) print = (print ^ __bfloat16_as_ushort(x)) * 1099511628211ull;
     printf("%-34s rows %4d  splits %2d  K/V %8.2f MB  %8.2f us  %6.3f TB/s  output %016llx%s\n", c.name.c_str(), rows,
-           splits, kv_bytes / 1e6, us, kv_bytes / us / 1e6, print,
+           splits, kv_bytes / 1e6, us, kv_bytes / us / 1e6, fingerprint(host_out),
            against_reference(host_out, reference, case_index).c_str());
     for (void* p : std::initializer_list<void*>{d_pos, d_seq, d_info, d_tab, d_slots, d_counters, k_cache, v_cache,
                                                 qkv, out, partial, norm})

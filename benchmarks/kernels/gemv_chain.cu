@@ -42,17 +42,7 @@ struct Gpu {
 };
 
 void launch(const Gpu& g, const void* f, dim3 grid, dim3 block, size_t smem, void** args) {
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = grid;
-    cfg.blockDim = block;
-    cfg.dynamicSmemBytes = smem;
-    cfg.stream = g.stream;
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[0].val.programmaticStreamSerializationAllowed = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = g.pdl ? 1 : 0;
-    CK(cudaLaunchKernelExC(&cfg, f, args));
+    launch_pdl(g.stream, f, grid, block, smem, args, g.pdl);
 }
 
 typedef void (*BulkFn)(const bf16*, const float*, float, const bf16*, const float*, bf16*, int, int, int, int);
@@ -88,19 +78,9 @@ void gemv_reg(const Gpu& g, GemvFn f, bool silu, int m, const bf16* x, const flo
 void gemv_bulk_launch(const Gpu& g, BulkFn f, bool silu, int m, const bf16* x, const float* norm, const bf16* w, bf16* y,
                       int n, int k) {
     const int r = silu ? 2 : 1;
-    // As the runtime (gemv.rs bulk_stages): whole rows, a multiple of the 8 warps when there are that many.
-    int stage_rows = g.stage_bytes / (r * k * 2);
-    if (stage_rows >= 8) stage_rows -= stage_rows % 8;
-    if (stage_rows < 1) stage_rows = 1;
-    int stages = g.ring_bytes / (r * stage_rows * k * 2);
-    if (stages < 2) stages = 2;
-    if (stages > BULK_MAX_STAGES) stages = BULK_MAX_STAGES;
-    if (g.fit) {
-        const int block_cols = (n / r + g.sms - 1) / g.sms;
-        if (stage_rows > block_cols) stage_rows = block_cols;
-        const int needed = (block_cols + stage_rows - 1) / stage_rows;
-        if (stages > needed) stages = needed;
-    }
+    const BulkRing ring = bulk_ring(r * k * 2, BULK_MAX_STAGES, g.stage_bytes, g.ring_bytes,
+                                    g.fit ? (n / r + g.sms - 1) / g.sms : 0);
+    int stage_rows = ring.stage_rows, stages = ring.stages;
     const int stage = r * stage_rows * k * 2;
     // The IN_NORM kinds stage the norm weights beside the input rows.
     const size_t smem = (size_t)m * k * 2 + (norm ? (size_t)k * 4 : 0) + (size_t)stages * stage;

@@ -41,7 +41,6 @@ __device__ void timeline_mark(int point) {
 
 constexpr int D = 128, G = 2, KV_HEADS = 8, BLOCK = 16, HIDDEN = 1024, QKV = 4096, Q = 2048, FF = 3072,
               LAYERS = 28;
-constexpr int BULK_STAGE_BYTES = 48 << 10, BULK_RING_BYTES = 96 << 10;  // gemv.rs
 
 ROTATING_ATTENTION_KERNEL(timeline_attention, bf16, (MmaDecode<D, G, bf16>::MIN_BLOCKS),
                           (paged_attention_mma<D, G, bf16>))
@@ -62,28 +61,18 @@ struct Chain {
     std::vector<Launch> launches;  // filled while recording
 
     void launch(Kind kind, const void* f, dim3 grid, dim3 block, size_t smem, void** args) {
-        cudaLaunchConfig_t cfg = {};
-        cfg.gridDim = grid, cfg.blockDim = block, cfg.dynamicSmemBytes = smem, cfg.stream = stream;
-        cudaLaunchAttribute attr[1];
-        attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-        attr[0].val.programmaticStreamSerializationAllowed = 1;
-        cfg.attrs = attr, cfg.numAttrs = 1;
-        CK(cudaLaunchKernelExC(&cfg, f, args));
+        launch_pdl(stream, f, grid, block, smem, args);
         launches.push_back({kind, (int)(grid.x * grid.y * grid.z)});
     }
 
     // As gemv.rs launches the bulk family: one block per multiprocessor, its ring from bulk_stages.
     void gemv(Kind kind, BulkFn f, bool silu, const bf16* x, const float* norm, const bf16* w, bf16* y, int n, int k) {
-        const int row_bytes = (silu ? 2 : 1) * k * 2, fit = BULK_STAGE_BYTES / row_bytes;
-        int stage_rows = fit >= BULK_WARPS ? fit - fit % BULK_WARPS : std::max(fit, 1);
-        const int stage = stage_rows * row_bytes;
-        int stages = std::min(std::max(BULK_RING_BYTES / stage, 2), BULK_MAX_STAGES);
+        const int row_bytes = (silu ? 2 : 1) * k * 2;
         // STEPLLM_BENCH_FIT_RING=1: no more stages than the block's rows fill (so more blocks fit beside it).
-        if (getenv("STEPLLM_BENCH_FIT_RING")) {
-            const int block_cols = ((silu ? n / 2 : n) + sms - 1) / sms;
-            stages = std::max(1, std::min(stages, (block_cols + stage_rows - 1) / stage_rows));
-        }
-        const size_t smem = (size_t)k * 2 + (norm ? (size_t)k * 4 : 0) + (size_t)stages * stage;
+        const int fit_cols = getenv("STEPLLM_BENCH_FIT_RING") ? ((silu ? n / 2 : n) + sms - 1) / sms : 0;
+        const BulkRing ring = bulk_ring(row_bytes, BULK_MAX_STAGES, 48 << 10, 96 << 10, fit_cols);  // gemv.rs sizes
+        int stage_rows = ring.stage_rows, stages = ring.stages;
+        const size_t smem = (size_t)k * 2 + (norm ? (size_t)k * 4 : 0) + (size_t)stages * stage_rows * row_bytes;
         CK(cudaFuncSetAttribute((const void*)f, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
         float eps = 1e-6f;
         const float* bias = nullptr;
@@ -95,11 +84,6 @@ struct Chain {
 struct Layer {
     bf16 *qkv_w, *o_w, *gu_w, *down_w, *k_cache, *v_cache;
 };
-
-// The host's split count (backend.rs attention_splits) for one decode row.
-static int host_splits(int context, int sms) {
-    return std::max(1, std::min({2 * sms / KV_HEADS, MAX_SPLITS, (context + 15) / 16}));
-}
 
 static double median(std::vector<double> v) {
     if (v.empty()) return NAN;
@@ -162,7 +146,7 @@ int main(int argc, char** argv) {
     fill_ones<<<1, 256>>>(norm, FF);
     CK(cudaDeviceSynchronize());
 
-    const int splits = host_splits(context, c.sms);
+    const int splits = decode_attention_splits(1, KV_HEADS, context, c.sms, MAX_SPLITS);
     auto record = [&] {
         c.launches.clear();
         for (Layer& l : layers) {
@@ -269,8 +253,6 @@ int main(int argc, char** argv) {
     CK(cudaStreamSynchronize(c.stream));
     std::vector<bf16> out(HIDDEN);
     CK(cudaMemcpy(out.data(), h, HIDDEN * 2, cudaMemcpyDeviceToHost));
-    unsigned long long print = 1469598103934665603ull;
-    for (bf16 x : out) print = (print ^ __bfloat16_as_ushort(x)) * 1099511628211ull;
-    printf("residual after one replay: fingerprint %016llx\n", print);
+    printf("residual after one replay: fingerprint %016llx\n", fingerprint(out));
     return 0;
 }
