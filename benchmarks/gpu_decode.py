@@ -194,9 +194,9 @@ def mixed_kv_tokens(work: list[tuple[list[int], int]], block: int) -> int:
 
 
 def mixed_config(path: Path, work: list[tuple[list[int], int]], device: str = "cuda", max_prefill_tokens: int | None = None,
-                 kv_cache_dtype: str = "auto") -> stepllm.Config:
-    """The engine configuration of the mixed workload: every request seated at once, KV blocks of 16 for all."""
-    block = 16
+                 kv_cache_dtype: str = "auto", block: int = 16) -> stepllm.Config:
+    """The engine configuration of the mixed workload: every request seated at once, KV blocks of `block` positions
+    (the default's 16 unless asked)."""
     return stepllm.Config(model=str(path), device=device, max_batch_size=len(work), block_size=block,
                           kv_cache_tokens=mixed_kv_tokens(work, block), max_prefill_tokens=max_prefill_tokens,
                           kv_cache_dtype=kv_cache_dtype)
@@ -213,10 +213,11 @@ def mixed_warmup() -> stepllm.GenerationRequest:
 
 
 def mixed_run(path: Path, n: int, paths: list[str], lo: int = 100, hi: int = 1024, seed: int = 0,
-              device: str = "cuda", max_prefill_tokens: int | None = None, kv_cache_dtype: str = "auto") -> dict:
+              device: str = "cuda", max_prefill_tokens: int | None = None, kv_cache_dtype: str = "auto",
+              block: int = 16) -> dict:
     vocab = json.loads((path / "config.json").read_text())["vocab_size"]
     work = mixed_workload(vocab, n, lo, hi, seed)
-    cfg = mixed_config(path, work, device, max_prefill_tokens, kv_cache_dtype)
+    cfg = mixed_config(path, work, device, max_prefill_tokens, kv_cache_dtype, block)
     warm = mixed_warmup()
     res: dict = {"requests": n, "prompt_tokens": sum(len(p) for p, _ in work), "max_tokens": sum(o for _, o in work),
                  "kv_read_bytes": decode_kv_read_bytes(work, path, 1 if kv_cache_dtype == "fp8" else 2)}
@@ -300,6 +301,7 @@ def main() -> None:
                     help="write every timed tick's host µs, in tick order, per shape and batch to this JSON file")
     ap.add_argument("--mixed", action="store_true", help="256 requests, prompt and output lengths uniform in [100, 1024]")
     ap.add_argument("--mixed-requests", type=int, default=256)
+    ap.add_argument("--mixed-block-size", type=int, default=16, help="Config.block_size of the mixed workload")
     ap.add_argument("--mixed-paths", nargs="+", choices=["engine", "dispatch"], default=["engine", "dispatch"])
     ap.add_argument("--max-prefill-tokens", type=int, default=None,
                     help="Config.max_prefill_tokens for stepllm's runs (1 prefills one request per step)")
@@ -331,7 +333,7 @@ def main() -> None:
                 args.host_ticks_dump.write_text(json.dumps(dump))
         if args.mixed:
             mixed = mixed_run(path, args.mixed_requests, args.mixed_paths, max_prefill_tokens=args.max_prefill_tokens,
-                              kv_cache_dtype=args.kv_cache_dtype)
+                              kv_cache_dtype=args.kv_cache_dtype, block=args.mixed_block_size)
             for kind in args.mixed_paths:
                 mixed_rows.append((shape, kind, mixed))
                 print(mixed_line(shape, kind, mixed), flush=True)

@@ -19,6 +19,23 @@
         }                                                                                \
     } while (0)
 
+#ifdef STEPLLM_TIMELINE
+// The TIMELINE marks' recorder (layer_timeline.cu, decode_attention.cu): thread 0 of a block takes a ticket at its
+// first mark and stamps the global timer (ns) into tl_records[ticket][point]; off while tl_records is null.
+constexpr int TL_MAX_BLOCKS = 1 << 16;
+__constant__ unsigned long long* tl_records;
+__device__ unsigned tl_next_ticket;
+
+__device__ void timeline_mark(int point) {
+    __shared__ unsigned ticket;
+    if (threadIdx.x != 0 || tl_records == nullptr) return;
+    unsigned long long now;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+    if (point == TL_START) ticket = atomicAdd(&tl_next_ticket, 1u);
+    if (ticket < TL_MAX_BLOCKS) tl_records[(size_t)ticket * TL_POINTS + point] = now;
+}
+#endif
+
 // A reproducible pseudo-random word for element i of a fill.
 __device__ __forceinline__ u32 bench_hash(size_t i, u32 seed) {
     u32 h = (u32)i * 2654435761u ^ seed;

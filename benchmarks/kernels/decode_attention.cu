@@ -12,6 +12,8 @@
 //   nvcc -arch=sm_90 -DSTEPLLM_PDL -O3 -std=c++17 -I kernels -o /tmp/decode_attention \
 //       benchmarks/kernels/decode_attention.cu && /tmp/decode_attention [fp8|bf16] [--sweep] [reference prefix]
 //
+// With -DSTEPLLM_TIMELINE each case also prints where its blocks' time goes (the kernel's TIMELINE marks).
+//
 // STEPLLM_BENCH_BLOCKS=N pads each block's shared memory so that at most N blocks share a multiprocessor.
 //
 // Each case prints a fingerprint of its output bits: a change that keeps the kernel's arithmetic must keep it. A
@@ -28,7 +30,12 @@
 #include <string>
 #include <vector>
 
-constexpr int D = 128, G = 2, KV_HEADS = 8, BLOCK = 16;
+// Positions per cache block: the runtime's default 16; -DSTEPLLM_BENCH_BLOCK_SIZE=32 (or 64) for larger blocks,
+// whose K and V of one head are larger contiguous chunks.
+#ifndef STEPLLM_BENCH_BLOCK_SIZE
+#define STEPLLM_BENCH_BLOCK_SIZE 16
+#endif
+constexpr int D = 128, G = 2, KV_HEADS = 8, BLOCK = STEPLLM_BENCH_BLOCK_SIZE;
 
 ROTATING_ATTENTION_KERNEL(bench_attention_fp8, fp8, (MmaDecode<D, G, fp8>::MIN_BLOCKS),
                           (paged_attention_mma<D, G, fp8>))
@@ -99,11 +106,56 @@ static std::string against_reference(const std::vector<bf16>& out, const char* p
     return text;
 }
 
+#ifdef STEPLLM_TIMELINE
+// Built with -DSTEPLLM_TIMELINE: a few launches with the kernel's TIMELINE marks on, to see where its blocks' time
+// goes (before the wait: metadata, the first K/V loads and the RoPE angles; q and the newest K/V rotated; the main
+// loop; the merge and store) and how busy the launch keeps the multiprocessors' block slots.
+template <typename Launch>
+static void block_phases(cudaStream_t stream, Launch launch, int blocks, int slots) {
+    if (blocks > TL_MAX_BLOCKS) {
+        printf("  timeline: %d blocks, more than the %d the records hold\n", blocks, TL_MAX_BLOCKS);
+        return;
+    }
+    unsigned long long* records;
+    CK(cudaMalloc(&records, (size_t)blocks * TL_POINTS * 8));
+    CK(cudaMemcpyToSymbol(tl_records, &records, sizeof records));
+    const int REPS = 5;
+    double phase[4] = {}, busy = 0, span = 0;
+    long counted = 0;
+    std::vector<unsigned long long> host((size_t)blocks * TL_POINTS);
+    for (int r = 0; r < REPS + 1; r++) {
+        const unsigned zero = 0;
+        CK(cudaMemcpyToSymbol(tl_next_ticket, &zero, 4));
+        CK(cudaMemset(records, 0, host.size() * 8));
+        launch();
+        CK(cudaStreamSynchronize(stream));
+        if (r == 0) continue;  // warm-up
+        CK(cudaMemcpy(host.data(), records, host.size() * 8, cudaMemcpyDeviceToHost));
+        unsigned long long first = ~0ull, last = 0;
+        for (int b = 0; b < blocks; b++) {
+            const unsigned long long* t = &host[(size_t)b * TL_POINTS];
+            if (!t[TL_START] || !t[TL_END]) continue;  // a split past its row's context returns at once
+            first = std::min(first, t[TL_START]), last = std::max(last, t[TL_END]);
+            for (int p = 0; p < 4; p++) phase[p] += (t[p + 1] - t[p]) * 1e-3;
+            busy += (t[TL_END] - t[TL_START]) * 1e-3;
+            counted++;
+        }
+        span += (last - first) * 1e-3;
+    }
+    const unsigned long long* off = nullptr;
+    CK(cudaMemcpyToSymbol(tl_records, &off, sizeof off));
+    CK(cudaFree(records));
+    const double n = std::max<long>(counted, 1);
+    printf("  a block, us: before wait %.2f, q + newest K/V %.2f, loop %.2f, merge %.2f; slots busy %.0f%% of %.2f us\n",
+           phase[0] / n, phase[1] / n, phase[2] / n, phase[3] / n, 100.0 * busy / (span * slots), span / REPS);
+}
+#endif
+
 template <typename KV>
 static void run_case(const Case& c, void (*kernel)(const bf16*, int, const u32*, const u32*, const u32*, const u32*,
                                                    KV*, KV*, int, int, float, bf16*, float*, u32*, const float*,
                                                    const float*, float, float, const float*, const u32*),
-                     int sms, const char* reference, int case_index) {
+                     int sms, int block_slots, const char* reference, int case_index) {
     const int rows = (int)c.contexts.size();
     // Every row's blocks, shuffled over the cache as paging leaves them.
     std::vector<u32> tables, seq_info, positions(rows), token_seq(rows), slots(rows);
@@ -157,12 +209,14 @@ static void run_case(const Case& c, void (*kernel)(const bf16*, int, const u32*,
     const int smem = padding_smem(kernel);
     const dim3 grid(rows, KV_HEADS, splits);
     const float scale = 1.0f / sqrtf((float)D);
+    const auto launch = [&] {
+        kernel<<<grid, ATTN_THREADS, smem, stream>>>(qkv, width, d_pos, d_seq, d_info, d_tab, k_cache, v_cache, BLOCK,
+                                                  KV_HEADS, scale, out, partial, d_counters, norm, norm, 1e-6f, 1e6f,
+                                                  nullptr, d_slots);
+    };
     constexpr int LAUNCHES = 20;  // per graph replay, back to back as a step's layers are (without the rest)
     const double us = time_graph(stream, [&] {
-        for (int i = 0; i < LAUNCHES; i++)
-            kernel<<<grid, ATTN_THREADS, smem, stream>>>(qkv, width, d_pos, d_seq, d_info, d_tab, k_cache, v_cache,
-                                                      BLOCK, KV_HEADS, scale, out, partial, d_counters, norm, norm,
-                                                      1e-6f, 1e6f, nullptr, d_slots);
+        for (int i = 0; i < LAUNCHES; i++) launch();
     }, 20) / LAUNCHES;
     CK(cudaGetLastError());
     // A fingerprint of the output's bits: a change to the kernel that keeps its arithmetic (the order of its
@@ -172,6 +226,11 @@ static void run_case(const Case& c, void (*kernel)(const bf16*, int, const u32*,
     printf("%-34s rows %4d  splits %2d  K/V %8.2f MB  %8.2f us  %6.3f TB/s  output %016llx%s\n", c.name.c_str(), rows,
            splits, kv_bytes / 1e6, us, kv_bytes / us / 1e6, fingerprint(host_out),
            against_reference(host_out, reference, case_index).c_str());
+#ifdef STEPLLM_TIMELINE
+    block_phases(stream, launch, rows * KV_HEADS * splits, block_slots);
+#else
+    (void)block_slots;
+#endif
     for (void* p : std::initializer_list<void*>{d_pos, d_seq, d_info, d_tab, d_slots, d_counters, k_cache, v_cache,
                                                 qkv, out, partial, norm})
         CK(cudaFree(p));
@@ -229,8 +288,10 @@ int main(int argc, char** argv) {
     printf("%s, %d SMs, %s cache, %d blocks a multiprocessor\n", prop.name, sms, fp8_cache ? "fp8" : "bf16", resident);
     const std::vector<Case> cases = sweep ? wave_cases(resident * sms) : workload_cases();
     for (size_t i = 0; i < cases.size(); i++) {
-        if (fp8_cache) run_case<fp8>(cases[i], bench_attention_fp8, sms, reference, (int)i);
-        else run_case<bf16>(cases[i], bench_attention_bf16, sms, reference, (int)i);
+        if (fp8_cache)
+            run_case<fp8>(cases[i], bench_attention_fp8, sms, resident * sms, reference, (int)i);
+        else
+            run_case<bf16>(cases[i], bench_attention_bf16, sms, resident * sms, reference, (int)i);
     }
     return 0;
 }

@@ -26,19 +26,6 @@
 #include <cmath>
 #include <vector>
 
-constexpr int TL_MAX_BLOCKS = 1 << 16;
-__constant__ unsigned long long* tl_records;  // [ticket][TL_POINTS], null when the marks are off
-__device__ unsigned tl_next_ticket;
-
-__device__ void timeline_mark(int point) {
-    __shared__ unsigned ticket;
-    if (threadIdx.x != 0 || tl_records == nullptr) return;
-    unsigned long long now;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
-    if (point == TL_START) ticket = atomicAdd(&tl_next_ticket, 1u);
-    if (ticket < TL_MAX_BLOCKS) tl_records[(size_t)ticket * TL_POINTS + point] = now;
-}
-
 constexpr int D = 128, G = 2, KV_HEADS = 8, BLOCK = 16, HIDDEN = 1024, QKV = 4096, Q = 2048, FF = 3072,
               LAYERS = 28;
 
