@@ -215,9 +215,9 @@ __device__ __forceinline__ void merge_and_store(const float (*s_acc)[G][D], cons
 }
 
 // What the rotation needs that no kernel writes during a forward: the per-head norm weights, token t's cache
-// slot (batch metadata, common.cuh) and the rotation's (cos, sin) at its position, into shared memory. Called
+// slot (batch metadata, common.cuh) and the rotation's (cos, sin) at its position, into shared memory. Staged
 // before the PDL wait, so these round trips and the angles' powf and sincosf overlap the previous kernel instead
-// of following q's; its barrier publishes them.
+// of following q's.
 template <int D>
 struct RopeConstants {
     float norm[2][D];  // q's, k's (when the model has them)
@@ -225,15 +225,42 @@ struct RopeConstants {
     u32 slot;
 };
 
+// This thread's share of the norm weights and the slot, in registers. A block loads them first, as they depend on
+// nothing: their round trip then overlaps the block's chain of dependent metadata loads (token -> sequence ->
+// block table -> first K/V) instead of following it.
 template <int D>
-__device__ __forceinline__ void stage_rope_constants(const RopeArgs& rope, int t, int ctx, RopeConstants<D>& c) {
+struct RopeInputs {
+    static constexpr int NORMS = (2 * D + ATTN_THREADS - 1) / ATTN_THREADS;
+    float norm[NORMS];
+    u32 slot;
+};
+
+template <int D>
+__device__ __forceinline__ RopeInputs<D> load_rope_inputs(const RopeArgs& rope, int t) {
+    RopeInputs<D> in;
+#pragma unroll
+    for (int j = 0; j < RopeInputs<D>::NORMS; j++) {
+        const int i = threadIdx.x + j * ATTN_THREADS;
+        in.norm[j] = rope.q_norm && i < 2 * D ? (i < D ? rope.q_norm : rope.k_norm)[i % D] : 0.0f;
+    }
+    in.slot = threadIdx.x == 0 ? rope.slots[t] : 0u;
+    return in;
+}
+
+// Puts the constants in shared memory (the angles computed here); its barrier publishes them.
+template <int D>
+__device__ __forceinline__ void stage_rope_constants(const RopeArgs& rope, const RopeInputs<D>& in, int ctx,
+                                                     RopeConstants<D>& c) {
     if (rope.q_norm) {
-        for (int i = threadIdx.x; i < 2 * D; i += ATTN_THREADS)
-            c.norm[i / D][i % D] = (i < D ? rope.q_norm : rope.k_norm)[i % D];
+#pragma unroll
+        for (int j = 0; j < RopeInputs<D>::NORMS; j++) {
+            const int i = threadIdx.x + j * ATTN_THREADS;
+            if (i < 2 * D) c.norm[i / D][i % D] = in.norm[j];
+        }
     }
     for (int i = threadIdx.x; i < D / 2; i += ATTN_THREADS)
         c.cs[i] = rope_angle(i, (float)(ctx - 1), rope.theta, D, rope.inv_freq);
-    if (threadIdx.x == 0) c.slot = rope.slots[t];
+    if (threadIdx.x == 0) c.slot = in.slot;
     __syncthreads();
 }
 
@@ -319,6 +346,8 @@ __device__ void paged_attention(const bf16* __restrict__ qkv, int width, const u
     const int li = lane % LANES, gi = lane / LANES;
     const float qscale = scale * LOG2_E;  // scores in log2 units
 
+    RopeInputs<ROPE ? D : 1> rope_inputs;
+    if constexpr (ROPE) rope_inputs = load_rope_inputs<D>(rope, t);
     SplitRange range;
     if (!split_range(positions, token_seq, seq_info, block_tables, t, split, max_splits, range)) return;
     const int ctx = range.ctx, nsplits = range.nsplits, begin = range.begin, end = range.end;
@@ -357,7 +386,7 @@ __device__ void paged_attention(const bf16* __restrict__ qkv, int width, const u
     Vec kr[U], vr[U];
     if constexpr (ROPE) load_step(begin, ctx - 1, kr, vr);
     __shared__ RopeConstants<ROPE ? D : 1> s_consts;
-    if constexpr (ROPE) stage_rope_constants<D>(rope, t, ctx, s_consts);
+    if constexpr (ROPE) stage_rope_constants<D>(rope, rope_inputs, ctx, s_consts);
     kernel_begin();
 
     const bf16* qrow = qkv + (size_t)t * width + (size_t)g * G * D;
@@ -549,6 +578,7 @@ __device__ void paged_attention_mma(const bf16* __restrict__ qkv, int width, con
 
     const int t = blockIdx.x, g = blockIdx.y, split = blockIdx.z, max_splits = gridDim.z;
     TIMELINE(TL_START);
+    const RopeInputs<D> rope_inputs = load_rope_inputs<D>(rope, t);
     SplitRange range;
     if (!split_range(positions, token_seq, seq_info, block_tables, t, split, max_splits, range)) return;
     // As in the ROPE variant: the first sub-steps' past K and V are loaded before the wait, all but the newest
@@ -559,7 +589,7 @@ __device__ void paged_attention_mma(const bf16* __restrict__ qkv, int width, con
     mma.load(buf[0], 0, newest);
     mma.load(buf[1], 1, newest);
     __shared__ RopeConstants<D> s_consts;
-    stage_rope_constants<D>(rope, t, range.ctx, s_consts);
+    stage_rope_constants<D>(rope, rope_inputs, range.ctx, s_consts);
     kernel_begin();
     TIMELINE(TL_WAITED);
 
