@@ -25,8 +25,9 @@ __device__ __forceinline__ void pdl_wait() {}
 __device__ __forceinline__ void pdl_launch_dependents() {}
 #endif
 
-// Marks on a block's way through a decode kernel, for benchmarks/kernels/layer_timeline.cu, which defines
-// STEPLLM_TIMELINE and timeline_mark (thread 0 stamps the global timer). Elsewhere they compile to nothing.
+// Marks on a block's way through a decode kernel, for the benchmarks built with STEPLLM_TIMELINE
+// (benchmarks/kernels/layer_timeline.cu, decode_attention.cu), whose bench_harness.cuh defines timeline_mark
+// (thread 0 stamps the global timer). Elsewhere they compile to nothing.
 enum TimelinePoint { TL_START, TL_WAITED, TL_INPUT, TL_READY, TL_END, TL_POINTS };
 #ifdef STEPLLM_TIMELINE
 __device__ void timeline_mark(int point);

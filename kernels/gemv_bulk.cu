@@ -72,7 +72,8 @@ __device__ void gemv_bulk(const bf16* __restrict__ x, const float* __restrict__ 
         for (int i = threadIdx.x; i < K / 4; i += blockDim.x)
             reinterpret_cast<float4*>(norm_s)[i] = __ldg(reinterpret_cast<const float4*>(norm_w) + i);
     }
-    kernel_begin();  // for OUT_ADD its release repeats the one above, which changes nothing
+    if (OUT == OUT_ADD) pdl_wait();  // released above already
+    else kernel_begin();
     TIMELINE(TL_WAITED);
     // OUT_ADD: thread i < M * span fetches old output (i / span, first + i % span) while the input rows load.
     const int span = last - first;

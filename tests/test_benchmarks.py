@@ -50,6 +50,17 @@ def test_mixed_run_generates_every_budgeted_token_on_both_paths() -> None:
     assert "output tok/s" in gpu_decode.mixed_floor_line(res)
 
 
+def test_mixed_config_takes_the_asked_block_size() -> None:
+    path = Path(model_dir("llama"))
+    work = gpu_decode.mixed_workload(json.loads((path / "config.json").read_text())["vocab_size"], 5, 3, 8, 2)
+    assert gpu_decode.mixed_config(path, work, device="cpu").block_size == 16  # the default's
+    cfg = gpu_decode.mixed_config(path, work, device="cpu", block=32)
+    assert cfg.block_size == 32
+    assert cfg.kv_cache_tokens == gpu_decode.mixed_kv_tokens(work, 32)
+    res = gpu_decode.mixed_run(path, 5, ["engine"], lo=3, hi=8, seed=2, device="cpu", block=32)
+    assert res["engine"]["generated"] == res["max_tokens"]
+
+
 def test_exposed_spans_charge_overlaps_once_and_count_gaps_as_idle() -> None:
     # b overlaps a's last 2 µs (programmatic dependent launch), c starts 3 µs after b ends, d lies inside c.
     spans = [(10.0, 15.0, "b"), (0.0, 12.0, "a"), (18.0, 25.0, "c"), (19.0, 21.0, "d")]
