@@ -9,7 +9,7 @@
 // the block-table entries of the next step are fetched while the current one computes, and the split-K
 // merge reads all partial states of a (token, head) at once. A decode token with a short context costs:
 // metadata (positions/token_seq/q, then seq_info, then the block table), one K/V round trip, and, when
-// split, the partial store + fence + ticket + one read of the partials.
+// split, the partial store + one acquire-release ticket + one read of the partials.
 //
 // The kernels are instantiated for a bf16 cache (attention.cu) and for an fp8 one (attention_fp8.cu, its own PTX
 // module, loaded only when a model uses an fp8 cache; kernels/kv_cache.cuh): a lane then loads 8 values of a
@@ -156,16 +156,22 @@ __device__ __forceinline__ void merge_and_store(const float (*s_acc)[G][D], cons
     }
     if (nsplits == 1) return;  // block-uniform
 
-    // Split-K: publish this block's state, and let the last block of (token, kv head) merge them all.
-    __threadfence();
+    // Split-K: publish this block's state, and let the last block of (token, kv head) merge them all. The
+    // barrier orders every thread's stores before thread 0's ticket, whose release makes them visible to the
+    // block that draws the last ticket, and whose acquire makes the others' visible to this one (the PTX memory
+    // model's cumulativity; the barrier after it extends that to the block's threads). One acq_rel atomic costs
+    // less than the sequentially consistent __threadfence() on both sides did (benchmarks/RESULTS.md).
     __syncthreads();
     if (threadIdx.x == 0) {
-        const u32 ticket = atomicAdd(&counters[t * num_kv_heads + g], 1u);
+        u32 ticket;
+        asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;"
+                     : "=r"(ticket)
+                     : "l"(&counters[t * num_kv_heads + g])
+                     : "memory");
         is_last = ticket == (u32)nsplits - 1;
     }
     __syncthreads();
     if (!is_last) return;
-    __threadfence();
     // One round trip (two for G * D > 4 * ATTN_THREADS): each thread issues the loads of its first column's
     // partial sums of every split, while threads of G * MAX_SPLITS (m, l) pairs stage them in shared memory.
     const size_t row_t = (size_t)t * num_heads + g * G;
