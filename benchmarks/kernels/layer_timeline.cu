@@ -14,6 +14,7 @@
 //
 // STEPLLM_BENCH_FIT_RING=1 gives each GEMV no more ring stages than its block's rows fill (the runtime's ring is
 // 96 KB whatever the block needs), so that more blocks fit beside it.
+// STEPLLM_BENCH_SPLITS=N gives the attention N key splits instead of the runtime's choice for the context.
 //
 // Blocks take a ticket at their first mark. A kernel's blocks all start before the next kernel's (the next one is
 // launched only once every block of this one has passed its wait), so tickets in order of launch, each launch's
@@ -133,7 +134,9 @@ int main(int argc, char** argv) {
     fill_ones<<<1, 256>>>(norm, FF);
     CK(cudaDeviceSynchronize());
 
-    const int splits = decode_attention_splits(1, KV_HEADS, context, c.sms, MAX_SPLITS);
+    // STEPLLM_BENCH_SPLITS=N launches the attention with N splits instead of the runtime's choice.
+    const char* splits_env = getenv("STEPLLM_BENCH_SPLITS");
+    const int splits = splits_env ? atoi(splits_env) : decode_attention_splits(1, KV_HEADS, context, c.sms, MAX_SPLITS);
     auto record = [&] {
         c.launches.clear();
         for (Layer& l : layers) {
