@@ -134,7 +134,6 @@ int main(int argc, char** argv) {
     fill_ones<<<1, 256>>>(norm, FF);
     CK(cudaDeviceSynchronize());
 
-    // STEPLLM_BENCH_SPLITS=N launches the attention with N splits instead of the runtime's choice.
     const char* splits_env = getenv("STEPLLM_BENCH_SPLITS");
     const int splits = splits_env ? atoi(splits_env) : decode_attention_splits(1, KV_HEADS, context, c.sms, MAX_SPLITS);
     auto record = [&] {
