@@ -34,6 +34,19 @@ __device__ void timeline_mark(int point) {
     if (point == TL_START) ticket = atomicAdd(&tl_next_ticket, 1u);
     if (ticket < TL_MAX_BLOCKS) tl_records[(size_t)ticket * TL_POINTS + point] = now;
 }
+
+// One run of `launch` (on `stream`) with the marks recording into `records` (tl_records must point there), its
+// stamps copied into `host`: host.size() / TL_POINTS blocks in ticket order, 0 where a block made no mark.
+template <typename Launch>
+inline void record_marks(unsigned long long* records, cudaStream_t stream, Launch launch,
+                         std::vector<unsigned long long>& host) {
+    const unsigned zero = 0;
+    CK(cudaMemcpyToSymbol(tl_next_ticket, &zero, 4));
+    CK(cudaMemset(records, 0, host.size() * 8));
+    launch();
+    CK(cudaStreamSynchronize(stream));
+    CK(cudaMemcpy(host.data(), records, host.size() * 8, cudaMemcpyDeviceToHost));
+}
 #endif
 
 // A reproducible pseudo-random word for element i of a fill.

@@ -124,13 +124,8 @@ static void block_phases(cudaStream_t stream, Launch launch, int blocks, int slo
     long counted = 0;
     std::vector<unsigned long long> host((size_t)blocks * TL_POINTS);
     for (int r = 0; r < REPS + 1; r++) {
-        const unsigned zero = 0;
-        CK(cudaMemcpyToSymbol(tl_next_ticket, &zero, 4));
-        CK(cudaMemset(records, 0, host.size() * 8));
-        launch();
-        CK(cudaStreamSynchronize(stream));
+        record_marks(records, stream, launch, host);
         if (r == 0) continue;  // warm-up
-        CK(cudaMemcpy(host.data(), records, host.size() * 8, cudaMemcpyDeviceToHost));
         unsigned long long first = ~0ull, last = 0;
         for (int b = 0; b < blocks; b++) {
             const unsigned long long* t = &host[(size_t)b * TL_POINTS];
@@ -155,7 +150,7 @@ template <typename KV>
 static void run_case(const Case& c, void (*kernel)(const bf16*, int, const u32*, const u32*, const u32*, const u32*,
                                                    KV*, KV*, int, int, float, bf16*, float*, u32*, const float*,
                                                    const float*, float, float, const float*, const u32*),
-                     int sms, int block_slots, const char* reference, int case_index) {
+                     int sms, [[maybe_unused]] int block_slots, const char* reference, int case_index) {
     const int rows = (int)c.contexts.size();
     // Every row's blocks, shuffled over the cache as paging leaves them.
     std::vector<u32> tables, seq_info, positions(rows), token_seq(rows), slots(rows);
@@ -228,8 +223,6 @@ static void run_case(const Case& c, void (*kernel)(const bf16*, int, const u32*,
            against_reference(host_out, reference, case_index).c_str());
 #ifdef STEPLLM_TIMELINE
     block_phases(stream, launch, rows * KV_HEADS * splits, block_slots);
-#else
-    (void)block_slots;
 #endif
     for (void* p : std::initializer_list<void*>{d_pos, d_seq, d_info, d_tab, d_slots, d_counters, k_cache, v_cache,
                                                 qkv, out, partial, norm})

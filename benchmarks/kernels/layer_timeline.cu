@@ -183,15 +183,10 @@ int main(int argc, char** argv) {
                                    "med ready", "med end", "last end"};
     std::vector<std::vector<double>> samples(KINDS * COLS);
     std::vector<double> tick_resolution;
+    std::vector<unsigned long long> host((size_t)total * TL_POINTS);
     for (int r = 0; r < REPLAYS + 3; r++) {
-        const unsigned zero = 0;
-        CK(cudaMemcpyToSymbol(tl_next_ticket, &zero, 4));
-        CK(cudaMemset(records, 0, (size_t)total * TL_POINTS * 8));
-        CK(cudaGraphLaunch(exec, c.stream));
-        CK(cudaStreamSynchronize(c.stream));
+        record_marks(records, c.stream, [&] { CK(cudaGraphLaunch(exec, c.stream)); }, host);
         if (r < 3) continue;  // warm-up
-        std::vector<unsigned long long> host((size_t)total * TL_POINTS);
-        CK(cudaMemcpy(host.data(), records, host.size() * 8, cudaMemcpyDeviceToHost));
         double prev_end = NAN;
         for (size_t li = 0, first = 0; li < c.launches.size(); first += c.launches[li].blocks, li++) {
             const Launch& l = c.launches[li];
