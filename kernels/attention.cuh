@@ -122,7 +122,6 @@ __device__ __forceinline__ void merge_and_store(const float (*s_acc)[G][D], cons
                                                 int split, int max_splits, int nsplits, bf16* __restrict__ out,
                                                 float* __restrict__ partial, u32* __restrict__ counters) {
     constexpr int V4 = D / 4;  // float4 columns per head
-    __shared__ bool is_last;
     const int num_heads = num_kv_heads * G;
     // Merge the warps: every thread takes float4 columns of the G heads.
     const size_t rows = (size_t)gridDim.x * num_heads * max_splits;
@@ -156,22 +155,8 @@ __device__ __forceinline__ void merge_and_store(const float (*s_acc)[G][D], cons
     }
     if (nsplits == 1) return;  // block-uniform
 
-    // Split-K: publish this block's state, and let the last block of (token, kv head) merge them all. The
-    // barrier orders every thread's stores before thread 0's ticket, whose release makes them visible to the
-    // block that draws the last ticket, and whose acquire makes the others' visible to this one (the PTX memory
-    // model's cumulativity; the barrier after it extends that to the block's threads). One acq_rel atomic costs
-    // less than the sequentially consistent __threadfence() on both sides did (benchmarks/RESULTS.md).
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        u32 ticket;
-        asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;"
-                     : "=r"(ticket)
-                     : "l"(&counters[t * num_kv_heads + g])
-                     : "memory");
-        is_last = ticket == (u32)nsplits - 1;
-    }
-    __syncthreads();
-    if (!is_last) return;
+    // Split-K: publish this block's state, and let the last block of (token, kv head) merge them all.
+    if (!last_split_ticket(&counters[t * num_kv_heads + g], nsplits)) return;
     // One round trip (two for G * D > 4 * ATTN_THREADS): each thread issues the loads of its first column's
     // partial sums of every split, while threads of G * MAX_SPLITS (m, l) pairs stage them in shared memory.
     const size_t row_t = (size_t)t * num_heads + g * G;

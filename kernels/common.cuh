@@ -42,6 +42,24 @@ __device__ __forceinline__ void kernel_begin() {
     pdl_launch_dependents();
 }
 
+// The split-K hand-over, called by every thread of a block once it has stored its partial results: whether this
+// block drew the last of `splits` tickets of `counter`, in which case every other split's stores are visible to
+// it. The barrier orders the block's stores before thread 0's ticket, whose release publishes them and whose
+// acquire (for the last block) makes the others' visible; the barrier after it hands that on to the block's threads
+// (the PTX memory model's causality order is cumulative). One acq_rel atomic costs less than a sequentially
+// consistent __threadfence() on either side of a relaxed one (benchmarks/RESULTS.md, 2026-12-07 14:57 UTC).
+__device__ __forceinline__ bool last_split_ticket(u32* counter, int splits) {
+    __shared__ bool is_last;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        u32 ticket;
+        asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(ticket) : "l"(counter) : "memory");
+        is_last = ticket == (u32)splits - 1;
+    }
+    __syncthreads();
+    return is_last;
+}
+
 // Unsigned division by a runtime constant (block_size) in three instructions: valid for n < 2^31.
 struct FastDiv {
     u32 magic, shift;

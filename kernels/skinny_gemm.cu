@@ -118,7 +118,6 @@ __device__ void skinny_gemm(const bf16* __restrict__ x, const float* __restrict_
                             const bf16* __restrict__ w, const float* __restrict__ bias, bf16* __restrict__ y, int M,
                             int N, int K, float* __restrict__ partial, u32* __restrict__ counters) {
     constexpr int E = NT * 128;  // accumulator entries of one A tile: (token tile, register, lane)
-    __shared__ bool is_last;
     __shared__ float s_inv[IN == IN_NORM ? SKINNY_TOKENS : 1];
     float(*red)[2][E] = reinterpret_cast<float(*)[2][E]>(skinny_smem);  // [warp][tile][entry]
 
@@ -203,12 +202,7 @@ __device__ void skinny_gemm(const bf16* __restrict__ x, const float* __restrict_
             __stcg(mine + e, sum[q][0]);
             __stcg(mine + E + e, sum[q][1]);
         }
-        __threadfence();
-        __syncthreads();
-        if (threadIdx.x == 0) is_last = atomicAdd(&counters[tile], 1u) == (u32)splits - 1;
-        __syncthreads();
-        if (!is_last) return;
-        __threadfence();
+        if (!last_split_ticket(&counters[tile], splits)) return;
         const float* all = partial + (size_t)tile * splits * 2 * E;
 #pragma unroll
         for (int q = 0; q < Q; q++) {
